@@ -1,0 +1,125 @@
+"""The training losses of METHOD §3: the boundary-aware retention loss and top-K distillation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvpop.budget import Budget
+from kvpop.retention import prefix_kth_largest, ranks_newer_wins
+
+
+@dataclass
+class BoundaryDecisions:
+    """The cache's decision at every query position ``d``, as the teacher makes it.
+
+    Index ``j`` stands for the newly eligible token ``t_new = sink + j`` (query ``d = t_new + window``).
+    ``valid`` marks positions with a real decision (``topk >= 1``, more than ``topk`` eligible tokens,
+    ``d`` inside the sequence); there ``t_bnd`` is the teacher's weakest kept token when ``t_new`` is left out
+    and ``keep`` whether the teacher keeps ``t_new`` (``z = +1``).
+    """
+
+    t_new: torch.Tensor  # [n] positions
+    t_bnd: torch.Tensor  # [..., n] positions (meaningless where not valid)
+    keep: torch.Tensor  # [..., n] bool
+    valid: torch.Tensor  # [..., n] bool
+
+
+def boundary_decisions(teacher: torch.Tensor, budget: Budget) -> BoundaryDecisions:
+    """Teacher cutoffs for every position in O(S log S) per row (order statistics over prefixes, not sorting)."""
+    size = teacher.shape[-1]
+    s, w, k = budget.sink, budget.window, budget.topk
+    n = max(size - s, 0)
+    device = teacher.device
+    t_new = torch.arange(s, s + n, device=device)
+    lead = teacher.shape[:-1]
+    if n == 0 or k == 0:
+        empty = torch.zeros(*lead, n, dtype=torch.bool, device=device)
+        return BoundaryDecisions(t_new, torch.zeros(*lead, n, dtype=torch.long, device=device), empty, empty)
+    rank, order = ranks_newer_wins(teacher[..., s:])
+    theta = prefix_kth_largest(rank, k)  # theta[j]: k-th best rank in [s, s + j]
+    # the cutoff for t_new = s + j is the k-th best of [s, t_new - 1], i.e. theta[j - 1]
+    cutoff_rank = torch.cat([torch.full_like(theta[..., :1], -1), theta[..., :-1]], dim=-1)
+    valid = (cutoff_rank >= 0) & (t_new + w <= size - 1)
+    t_bnd = s + order.gather(-1, cutoff_rank.clamp(min=0))
+    keep = rank > cutoff_rank
+    return BoundaryDecisions(t_new, t_bnd, keep & valid, valid)
+
+
+def boundary_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    budget: Budget,
+    *,
+    tau: float = 1.0,
+    weight: torch.Tensor | str | None = None,
+    decisions: BoundaryDecisions | None = None,
+) -> torch.Tensor:
+    """Mean over valid positions of ``ω · softplus(-z · (p[t_new] - p[t_bnd]) / τ)``.
+
+    ``student``/``teacher``: priorities ``[..., S]`` (any leading dims: batch × heads × layers), the teacher's
+    including the recency term the policy uses. ``weight``: ``None``, ``"margin"`` (``|y[t_new] - y[t_bnd]|``
+    of the teacher), or a tensor ``[..., S]`` indexed at ``t_new``. Returns 0 (with a graph, no NaN) when no
+    position is valid. ``decisions`` may be passed to reuse the teacher cutoffs (they depend only on the teacher).
+    """
+    if student.shape != teacher.shape:
+        raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} priorities differ in shape")
+    if tau <= 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    dec = decisions if decisions is not None else boundary_decisions(teacher.detach(), budget)
+    if not dec.valid.any():
+        return student.sum() * 0.0
+    idx_new = dec.t_new.expand_as(dec.t_bnd)
+    margin = student.gather(-1, idx_new) - student.gather(-1, dec.t_bnd)
+    z = dec.keep.to(student.dtype) * 2 - 1
+    term = F.softplus(-z * margin / tau)
+    if isinstance(weight, str):
+        if weight != "margin":
+            raise ValueError(f"weight must be None, 'margin' or a tensor, got {weight!r}")
+        t = teacher.detach()
+        omega = (t.gather(-1, idx_new) - t.gather(-1, dec.t_bnd)).abs()
+        term = term * torch.where(dec.valid, omega, 0.0)
+    elif weight is not None:
+        term = term * weight.gather(-1, idx_new)
+    term = torch.where(dec.valid, term, 0.0)
+    return term.sum() / dec.valid.sum()
+
+
+def boundary_agreement(student: torch.Tensor, decisions: BoundaryDecisions) -> torch.Tensor:
+    """Fraction of the teacher's keep/evict decisions that the student's priorities reproduce pairwise.
+
+    The student keeps ``t_new`` over the teacher's boundary token when ``p[t_new] >= p[t_bnd]`` (newer wins ties).
+    """
+    idx_new = decisions.t_new.expand_as(decisions.t_bnd)
+    student_keeps = student.gather(-1, idx_new) >= student.gather(-1, decisions.t_bnd)
+    agree = (student_keeps == decisions.keep) & decisions.valid
+    return agree.sum() / decisions.valid.sum().clamp(min=1)
+
+
+def topk_kl(
+    student_logits: torch.Tensor,
+    teacher_topk_logits: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """KL(teacher ‖ student) on the teacher's top-K support, both renormalised there (METHOD §3).
+
+    ``student_logits`` ``[..., V]``; ``teacher_topk_logits``/``indices`` ``[..., K]``; ``mask`` ``[...]`` selects the
+    positions that count (padding, prompt). Returns the mean over counted positions.
+    """
+    if teacher_topk_logits.shape != teacher_topk_indices.shape:
+        raise ValueError("teacher top-K logits and indices must have the same shape")
+    if student_logits.shape[:-1] != teacher_topk_logits.shape[:-1]:
+        raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher top-K "
+                         f"{tuple(teacher_topk_logits.shape)} disagree on the leading dims")
+    student_k = student_logits.float().gather(-1, teacher_topk_indices.long()) / temperature
+    log_q = student_k.log_softmax(-1)
+    log_p = (teacher_topk_logits.float() / temperature).log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    if mask is None:
+        return kl.mean()
+    mask = mask.to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1)

@@ -1,0 +1,159 @@
+"""The retention rule of METHOD §1, exactly, in O(S log S) per row and O(S) memory.
+
+At query position ``d`` a KV head keeps: the sinks ``t < sink``, the window ``d - window < t <= d``, and the
+``topk`` *eligible* tokens ``sink <= t <= d - window`` with the highest static priority, ties won by the newer
+token. Because priorities are static and the eligible set only grows, an evicted token never returns, so the
+whole rule is captured by one number per token, its eviction position ``e[t]``: the first query position at
+which ``t`` is no longer retained (``S`` if that does not happen inside the sequence).
+
+How ``e`` is computed without an S×S tensor: rank the candidates ``[sink, S)`` by (priority, position), so that
+"u beats t" is ``rank[u] > rank[t]``. Let ``theta[D]`` be the ``topk``-th largest rank among the eligible prefix
+``[sink, D]``; it never decreases in ``D``, and ``t`` is kept at ``d`` iff ``rank[t] >= theta[d - window]``. So
+``e[t] = window + max(t, first D with theta[D] > rank[t])``: one binary search per token. ``theta`` for every
+prefix comes from a wavelet-matrix descent (one pass per bit of the rank, each O(S)), vectorised over rows.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvpop.budget import Budget
+
+
+def _check_priority(priority: torch.Tensor) -> None:
+    if not torch.is_tensor(priority) or not priority.is_floating_point():
+        raise ValueError(f"priority must be a float tensor [..., S], got {type(priority).__name__} "
+                         f"{getattr(priority, 'dtype', '')}")
+    if priority.dim() < 1 or priority.shape[-1] < 1:
+        raise ValueError(f"priority must have shape [..., S] with S >= 1, got {tuple(priority.shape)}")
+    if torch.isnan(priority).any():
+        raise ValueError("priority contains NaN: the ranking (and so the mask) would be undefined")
+
+
+def ranks_newer_wins(priority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank the last dim ascending by (priority, position): ties go to the newer (higher) position.
+
+    Returns ``(rank, order)`` with ``rank[..., t]`` in ``0 … n-1`` and ``order`` its inverse
+    (``order[..., r]`` is the position holding rank ``r``).
+    """
+    order = torch.sort(priority, dim=-1, stable=True).indices  # stable: equal priorities keep position order
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return rank, order
+
+
+def prefix_kth_largest(rank: torch.Tensor, k: int) -> torch.Tensor:
+    """``theta[..., j]`` = the ``k``-th largest of ``rank[..., :j+1]`` (``-1`` while fewer than ``k`` exist).
+
+    ``rank`` is a permutation of ``0 … n-1`` on its last dim. Wavelet-matrix descent: for every prefix at once,
+    walk the bits of the answer from the top, keeping the prefix's interval in the stably bit-partitioned array.
+    Time O(n log n), memory O(n) per row; never an n×n tensor.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    lead, n = rank.shape[:-1], rank.shape[-1]
+    arr = rank.reshape(-1, n)
+    rows, device = arr.shape[0], arr.device
+    prefix_len = torch.arange(1, n + 1, device=device).expand(rows, n)
+    lo = torch.zeros(rows, n, dtype=torch.long, device=device)
+    hi = prefix_len.clone()
+    remaining = torch.full((rows, n), k, dtype=torch.long, device=device)
+    answer = torch.zeros(rows, n, dtype=torch.long, device=device)
+    zero_col = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    for bit in reversed(range(max(1, (n - 1).bit_length()))):
+        bits = (arr >> bit) & 1
+        ones_before = torch.cat([zero_col, bits.cumsum(-1)], dim=-1)  # [rows, n+1]
+        zeros_total = n - ones_before[:, -1:]
+        ones_lo, ones_hi = ones_before.gather(-1, lo), ones_before.gather(-1, hi)
+        ones_in = ones_hi - ones_lo
+        take_one = ones_in >= remaining  # the k-th largest has this bit set
+        answer |= take_one.long() << bit
+        remaining = torch.where(take_one, remaining, remaining - ones_in)
+        lo = torch.where(take_one, zeros_total + ones_lo, lo - ones_lo)
+        hi = torch.where(take_one, zeros_total + ones_hi, hi - ones_hi)
+        # stable partition for the next bit: zeros first, then ones, each in order
+        position = torch.arange(n, device=device).expand(rows, n)
+        target = torch.where(bits.bool(), zeros_total + ones_before[:, :-1], position - ones_before[:, :-1])
+        arr = torch.empty_like(arr).scatter_(-1, target, arr)
+    answer = torch.where(prefix_len >= k, answer, torch.full_like(answer, -1))
+    return answer.reshape(*lead, n)
+
+
+def eviction_positions(priority: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """``e[..., t]``: the first query position at which token ``t`` is no longer retained, ``S`` if never.
+
+    ``priority`` is float ``[..., S]`` (any leading dims); sinks and tokens whose eviction would fall at or past
+    the end get ``S``. Token ``t`` is visible to query ``d`` iff ``t <= d`` and
+    (``t < sink`` or ``t > d - window`` or ``d < e[t]``) — see :func:`retained`.
+    """
+    _check_priority(priority)
+    size = priority.shape[-1]
+    s, w, k = budget.sink, budget.window, budget.topk
+    positions = torch.arange(size, device=priority.device)
+    e = torch.full(priority.shape, size, dtype=torch.long, device=priority.device)
+    n = size - s  # candidates for the long-range slots
+    if n <= 0 or w >= size:
+        return e
+    cand = positions[s:]
+    if k == 0:
+        leave = cand + w  # nothing to keep: evicted as soon as it leaves the window
+    else:
+        rank, _ = ranks_newer_wins(priority[..., s:])
+        theta = prefix_kth_largest(rank, k)  # theta[..., j] for the eligible prefix [s, s + j]
+        first_beaten = torch.searchsorted(theta.contiguous(), rank.contiguous(), right=True)  # first j: theta > rank
+        leave = torch.maximum(cand, s + first_beaten) + w
+    e[..., s:] = leave.clamp(max=size)
+    return e
+
+
+def retained(query_pos: torch.Tensor, token_pos: torch.Tensor, eviction: torch.Tensor, budget: Budget):
+    """The visibility predicate of METHOD §1 on broadcastable tensors (used by masks and references alike)."""
+    causal = token_pos <= query_pos
+    protected = (token_pos < budget.sink) | (token_pos > query_pos - budget.window)
+    return causal & (protected | (query_pos < eviction))
+
+
+def visible_from_eviction(eviction: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """Dense ``[..., S, S]`` mask (query, key) from eviction positions; for small S only."""
+    size = eviction.shape[-1]
+    pos = torch.arange(size, device=eviction.device)
+    return retained(pos[:, None], pos[None, :], eviction[..., None, :], budget)
+
+
+def visible(priority: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """Dense reference ``[..., S, S]`` (query ``d``, key ``t``): the rule applied directly at every query.
+
+    Independent of :func:`eviction_positions` (a per-query top-k over the eligible prefix), O(S² log S):
+    for tests and small S only.
+    """
+    _check_priority(priority)
+    size = priority.shape[-1]
+    s, w, k = budget.sink, budget.window, budget.topk
+    pos = torch.arange(size, device=priority.device)
+    d, t = pos[:, None], pos[None, :]
+    mask = (t <= d) & ((t < s) | (t > d - w))
+    eligible = (t >= s) & (t <= d - w)  # [S, S]
+    if k > 0:
+        rank, _ = ranks_newer_wins(priority)  # ranks over all positions order the same as over the eligible ones
+        score = torch.where(eligible, rank[..., None, :].expand(*priority.shape[:-1], size, size), -1)
+        top = score.topk(min(k, size), dim=-1).indices  # the k best eligible per query (ineligible score -1)
+        chosen = torch.zeros_like(mask.expand_as(score)).scatter(-1, top, True) & eligible
+        mask = mask | chosen
+    return mask.expand(*priority.shape[:-1], size, size)
+
+
+def with_recency(priority: torch.Tensor, recency: float) -> torch.Tensor:
+    """``priority[t] + recency * t`` (METHOD §3): ranks like a decay in ``d - t`` and stays static."""
+    if recency < 0:
+        raise ValueError(f"recency must be >= 0, got {recency}")
+    if recency == 0:
+        return priority
+    pos = torch.arange(priority.shape[-1], device=priority.device, dtype=priority.dtype)
+    return priority + recency * pos
+
+
+def kept_counts(eviction: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """Tokens retained at the last query position, per row — at most ``budget.total``."""
+    size = eviction.shape[-1]
+    last = torch.tensor(size - 1, device=eviction.device)
+    pos = torch.arange(size, device=eviction.device)
+    return retained(last, pos, eviction, budget).sum(-1)

@@ -1,0 +1,201 @@
+"""Future-attention targets (METHOD §2): what the teacher says each token is worth keeping.
+
+For KV head ``g`` and window ``w``, token ``t`` gets ``y[g, t] = log max_{h in g} mean_{d >= t + w} P[h, d, t]``,
+where ``P`` is the teacher's causal attention. We never form the S×S map: one *transposed* attention call per
+layer, in which the keys play the queries and the teacher's queries play the keys, with a score modification that
+subtracts each query's forward LSE. That call's own row log-sum-exp is ``log Σ_{d >= t+w} P[h, d, t]``.
+
+Backends: ``"flex"`` (FlexAttention; compiled on CUDA, eager on CPU where compiled flex cannot return the LSE),
+``"chunked"`` (blocks of rows in plain torch: O(block × S) memory, the CPU default), and
+:func:`future_attention_targets_dense`, an fp64 brute force for tests.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+try:  # torch >= 2.9
+    from torch.nn.attention.flex_attention import AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    AuxRequest = None
+
+GROUP_REDUCTIONS = ("max", "mean", "sum")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, window: int) -> tuple[int, int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q must be [B, Hq, S, D] and k [B, Hkv, S, D]; got {tuple(q.shape)} and {tuple(k.shape)}")
+    b, hq, s, d = q.shape
+    if k.shape[0] != b or k.shape[2] != s or k.shape[3] != d:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, length or head dim")
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads cannot be grouped over {hkv} KV heads")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    return b, hq, hkv, s, d
+
+
+def _flex(*args, **kwargs):
+    """Compiled FlexAttention on CUDA (one compiled callable for the process); eager elsewhere."""
+    if args[0].is_cuda:
+        return _compiled_flex()(*args, **kwargs)
+    return flex_attention(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_with_lse(q, k, v, score_mod, block_mask, scale):
+    if AuxRequest is not None:
+        _, aux = _flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                       return_aux=AuxRequest(lse=True))
+        return aux.lse
+    _, lse = _flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=True)
+    return lse
+
+
+@functools.lru_cache(maxsize=32)
+def _future_block_mask(size: int, window: int, device: str):
+    """Block structure of the transposed pass: row ``t`` sees columns ``d >= t + window``; one per shape."""
+    def mask_mod(b, h, t, d):
+        return d >= t + window
+    return create_block_mask(mask_mod, None, None, size, size, device=device, _compile=device.startswith("cuda"))
+
+
+@functools.lru_cache(maxsize=32)
+def _causal_block_mask(size: int, device: str):
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+    return create_block_mask(mask_mod, None, None, size, size, device=device, _compile=device.startswith("cuda"))
+
+
+def _rows_per_chunk(size: int, heads: int, batch: int, budget_bytes: int = 1 << 27) -> int:
+    return max(1, min(size, budget_bytes // max(1, 4 * size * heads * batch)))
+
+
+def causal_lse(q: torch.Tensor, k: torch.Tensor, *, scale: float | None = None, backend: str = "auto") -> torch.Tensor:
+    """``LSE[b, h, d] = logsumexp_{t <= d} q[h, d]·k[g, t] * scale`` (float32), GQA by ``repeat_kv`` grouping."""
+    b, hq, hkv, size, dim = _check(q, k, 1)
+    scale = dim ** -0.5 if scale is None else scale
+    backend = _resolve(backend, q)
+    if backend == "flex":
+        block_mask = _causal_block_mask(size, str(q.device))
+        v = torch.zeros_like(q)
+        return _flex_lse_gqa(q, k, v, None, block_mask, scale, hq // hkv).float()
+    keys = k.float().repeat_interleave(hq // hkv, dim=1)
+    out = torch.empty(b, hq, size, dtype=torch.float32, device=q.device)
+    step = _rows_per_chunk(size, hq, b)
+    pos = torch.arange(size, device=q.device)
+    for start in range(0, size, step):
+        rows = slice(start, min(size, start + step))
+        scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, rows].float(), keys) * scale
+        scores = scores.masked_fill(pos[None, :] > pos[rows, None], float("-inf"))
+        out[:, :, rows] = scores.logsumexp(-1)
+    return out
+
+
+def _flex_lse_gqa(q, k, v, score_mod, block_mask, scale, group):
+    """FlexAttention row LSE with ``k`` expanded to the query-head count (GQA by ``repeat_kv`` grouping)."""
+    keys = k.repeat_interleave(group, dim=1) if group > 1 else k
+    return _flex_with_lse(q, keys, v, score_mod, block_mask, scale)
+
+
+def _resolve(backend: str, x: torch.Tensor) -> str:
+    if backend == "auto":
+        return "flex" if x.is_cuda else "chunked"
+    if backend not in ("flex", "chunked"):
+        raise ValueError(f"backend must be 'auto', 'flex' or 'chunked', got {backend!r}")
+    return backend
+
+
+def future_attention_targets(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    window: int,
+    *,
+    lse: torch.Tensor | None = None,
+    scale: float | None = None,
+    group_reduce: str = "max",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Targets ``y[B, Hkv, S]`` (float32; ``-inf`` where no query ``d >= t + window`` exists).
+
+    ``q [B, Hq, S, D]`` and ``k [B, Hkv, S, D]`` exactly as attention sees them (after RoPE and norms); query head
+    ``h`` reads KV head ``h // (Hq // Hkv)``. ``lse [B, Hq, S]`` is the forward pass's natural-log LSE (computed
+    by a causal pass when omitted). ``group_reduce`` combines the mean attention of the group's query heads:
+    ``max`` (METHOD default), ``mean`` or ``sum``.
+    """
+    b, hq, hkv, size, dim = _check(q, k, window)
+    if group_reduce not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
+    scale = dim ** -0.5 if scale is None else scale
+    if lse is None:
+        lse = causal_lse(q, k, scale=scale, backend=backend)
+    if lse.shape != (b, hq, size):
+        raise ValueError(f"lse must be [B, Hq, S] = {(b, hq, size)}, got {tuple(lse.shape)}")
+    lse = lse.float()
+    group = hq // hkv
+    backend = _resolve(backend, q)
+    if backend == "flex":
+        # transposed: rows are the keys (expanded to the query heads), columns the teacher's queries
+        keys_as_queries = k.repeat_interleave(group, dim=1) if group > 1 else k
+
+        def subtract_forward_lse(score, bi, hi, t, d):
+            return score - lse[bi, hi, d]
+
+        block_mask = _future_block_mask(size, window, str(q.device))
+        dummy_values = torch.zeros_like(q)
+        log_mass = _flex_with_lse(keys_as_queries, q, dummy_values, subtract_forward_lse, block_mask, scale).float()
+    else:
+        log_mass = _future_log_mass_chunked(q, k, window, lse, scale, group)
+    pos = torch.arange(size, device=q.device)
+    count = size - (pos + window)  # N[t]: queries that decide the token's retention
+    has_target = count > 0
+    log_mean = log_mass - torch.log(count.clamp(min=1).float())
+    log_mean = log_mean.view(b, hkv, group, size)
+    if group_reduce == "max":
+        y = log_mean.amax(2)
+    else:
+        y = log_mean.logsumexp(2) - (math.log(group) if group_reduce == "mean" else 0.0)
+    return torch.where(has_target, y, torch.full_like(y, float("-inf")))
+
+
+def _future_log_mass_chunked(q, k, window, lse, scale, group):
+    """``log Σ_{d >= t + window} exp(a[h, d, t] - LSE[h, d])`` in row blocks of the transposed problem."""
+    b, hq, size, _ = q.shape
+    keys = k.float().repeat_interleave(group, dim=1)
+    queries = q.float()
+    out = torch.empty(b, hq, size, dtype=torch.float32, device=q.device)
+    step = _rows_per_chunk(size, hq, b)
+    pos = torch.arange(size, device=q.device)
+    for start in range(0, size, step):
+        rows = slice(start, min(size, start + step))
+        scores = torch.einsum("bhtd,bhqd->bhtq", keys[:, :, rows], queries) * scale - lse[:, :, None, :]
+        scores = scores.masked_fill(pos[None, :] < pos[rows, None] + window, float("-inf"))
+        out[:, :, rows] = scores.logsumexp(-1)
+    return out
+
+
+def future_attention_targets_dense(q, k, window, *, scale=None, group_reduce="max") -> torch.Tensor:
+    """Brute-force fp64 reference: materialises ``P`` (S×S). For tests and small S only."""
+    b, hq, hkv, size, dim = _check(q, k, window)
+    scale = dim ** -0.5 if scale is None else scale
+    group = hq // hkv
+    keys = k.double().repeat_interleave(group, dim=1)
+    a = torch.einsum("bhqd,bhkd->bhqk", q.double(), keys) * scale
+    pos = torch.arange(size, device=q.device)
+    a = a.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    prob = a.softmax(-1)  # [b, h, d, t]
+    decides = pos[:, None] >= pos[None, :] + window  # query d decides token t
+    count = (size - pos - window).clamp(min=1).double()
+    mean = (prob * decides).sum(-2) / count  # [b, h, t]
+    mean = mean.view(b, hkv, group, size)
+    m = {"max": mean.amax(2), "mean": mean.mean(2), "sum": mean.sum(2)}[group_reduce]
+    y = m.log()
+    return torch.where(size - pos - window > 0, y, torch.full_like(y, float("-inf"))).float()

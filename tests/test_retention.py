@@ -1,0 +1,133 @@
+"""The retention rule (METHOD §1) against a brute force that applies it query by query."""
+import random
+import resource
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvpop import Budget
+from kvpop.retention import (eviction_positions, kept_counts, prefix_kth_largest, ranks_newer_wins, visible,
+                             visible_from_eviction, with_recency)
+
+
+def brute_force_mask(priority: list[float], budget: Budget) -> torch.Tensor:
+    """Retained sets query by query: sinks, window, and the topk best eligible by (priority, position)."""
+    size, (s, w, k) = len(priority), (budget.sink, budget.window, budget.topk)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for d in range(size):
+        eligible = sorted(range(s, d - w + 1), key=lambda t: (priority[t], t), reverse=True)
+        keep = set(eligible[:k])
+        for t in range(d + 1):
+            mask[d, t] = t < s or t > d - w or t in keep
+    return mask
+
+
+def brute_force_eviction(mask: torch.Tensor) -> torch.Tensor:
+    size = mask.shape[0]
+    e = torch.full((size,), size, dtype=torch.long)
+    for t in range(size):
+        gone = [d for d in range(t, size) if not mask[d, t]]
+        if gone:
+            e[t] = gone[0]
+            assert not mask[gone[0]:, t].any(), "an evicted token came back"
+    return e
+
+
+def random_cases(n, seed=0):
+    rng = random.Random(seed)
+    edge = [Budget(0, 1, 0), Budget(0, 3, 2), Budget(2, 1, 0), Budget(1, 50, 3), Budget(3, 2, 40), Budget(0, 1, 1)]
+    for i in range(n):
+        size = rng.choice([1, 2, 3, rng.randint(4, 48)])
+        budget = edge[i] if i < len(edge) else Budget(rng.randint(0, 5), rng.randint(1, 12), rng.randint(0, 9))
+        ties = i % 2 == 0
+        yield size, budget, ties
+
+
+@pytest.mark.parametrize("size,budget,ties", list(random_cases(60)))
+def test_eviction_positions_match_brute_force(size, budget, ties):
+    torch.manual_seed(size * 1000 + budget.total)
+    lead = (2, 3)
+    priority = torch.randint(0, 3, (*lead, size)).float() if ties else torch.randn(*lead, size)
+    e = eviction_positions(priority, budget)
+    assert e.shape == priority.shape and e.dtype == torch.long
+    dense = visible(priority, budget)
+    from_e = visible_from_eviction(e, budget)
+    for idx in [(i, j) for i in range(lead[0]) for j in range(lead[1])]:
+        mask = brute_force_mask(priority[idx].tolist(), budget)
+        assert torch.equal(e[idx], brute_force_eviction(mask))
+        assert torch.equal(dense[idx], mask)
+        assert torch.equal(from_e[idx], mask)
+    assert (kept_counts(e, budget) <= budget.total).all()
+
+
+def test_edge_budgets():
+    p = torch.randn(4, 20)
+    assert (eviction_positions(p, Budget(0, 25, 3)) == 20).all(), "window >= S: nothing is ever evicted"
+    assert (eviction_positions(p, Budget(20, 1, 0)) == 20).all(), "all sinks"
+    e = eviction_positions(p, Budget(2, 3, 0))  # StreamingLLM: evicted when leaving the window
+    assert torch.equal(e[:, 2:], (torch.arange(2, 20) + 3).clamp(max=20).expand(4, -1))
+    e_all = eviction_positions(p, Budget(0, 1, 19))  # room for everything
+    assert (e_all == 20).all()
+    assert eviction_positions(torch.zeros(1), Budget(0, 1, 0)).tolist() == [1]
+
+
+def test_all_ties_keep_the_newest():
+    e = eviction_positions(torch.zeros(12), Budget(1, 2, 3))
+    mask = visible_from_eviction(e, Budget(1, 2, 3))
+    kept_last = mask[-1].nonzero().flatten().tolist()
+    assert kept_last == [0, 7, 8, 9, 10, 11]  # sink, the 3 newest eligible (<= 9), window {10, 11}
+
+
+def test_rejects_bad_priorities():
+    with pytest.raises(ValueError, match="NaN"):
+        eviction_positions(torch.tensor([0.0, float("nan")]), Budget(0, 1, 1))
+    with pytest.raises(ValueError, match="float"):
+        eviction_positions(torch.tensor([1, 2]), Budget(0, 1, 1))
+    with pytest.raises(ValueError):
+        eviction_positions(torch.zeros(3, 0), Budget(0, 1, 1))
+
+
+def test_infinite_priorities_are_ranked():
+    p = torch.tensor([0.0, float("-inf"), 1.0, float("inf"), float("-inf"), 0.5, 0.0, 0.0])
+    b = Budget(0, 1, 2)
+    assert torch.equal(visible_from_eviction(eviction_positions(p, b), b), brute_force_mask(p.tolist(), b))
+
+
+def test_prefix_kth_largest_matches_sorting():
+    torch.manual_seed(1)
+    for n, k in [(1, 1), (5, 1), (33, 4), (64, 64), (100, 7)]:
+        rank = torch.stack([torch.randperm(n) for _ in range(3)])
+        theta = prefix_kth_largest(rank, k)
+        for row in range(3):
+            for j in range(n):
+                prefix = sorted(rank[row, : j + 1].tolist(), reverse=True)
+                assert theta[row, j].item() == (prefix[k - 1] if len(prefix) >= k else -1)
+
+
+def test_ranks_break_ties_by_position():
+    rank, order = ranks_newer_wins(torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert rank.tolist() == [2, 0, 3, 1] and order.tolist() == [1, 3, 0, 2]
+
+
+def test_recency_term():
+    p = torch.zeros(5)
+    assert torch.equal(with_recency(p, 0.5), torch.arange(5) * 0.5)
+    with pytest.raises(ValueError):
+        with_recency(p, -1.0)
+
+
+def test_no_quadratic_memory_at_131k():
+    """At S = 131072 an S×S bool would need 17 GB: the whole computation must stay in O(S) memory."""
+    code = (
+        "import resource, torch\n"
+        "from kvpop import Budget\nfrom kvpop.retention import eviction_positions\n"
+        "p = torch.randn(131072)\nbase = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "e = eviction_positions(p, Budget(4, 128, 2048))\n"
+        "grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base\n"
+        "assert int((e < 131072).sum()) > 0\nprint(grew)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    grew_mib = int(out.stdout.strip()) / 1024
+    assert grew_mib < 512, f"peak RSS grew by {grew_mib:.0f} MiB"
