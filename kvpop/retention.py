@@ -78,31 +78,39 @@ def prefix_kth_largest(rank: torch.Tensor, k: int) -> torch.Tensor:
     return answer.reshape(*lead, n)
 
 
-def eviction_positions(priority: torch.Tensor, budget: Budget) -> torch.Tensor:
+def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.Tensor | None = None) -> torch.Tensor:
     """``e[..., t]``: the first query position at which token ``t`` is no longer retained, ``S`` if never.
 
     ``priority`` is float ``[..., S]`` (any leading dims); sinks and tokens whose eviction would fall at or past
     the end get ``S``. Token ``t`` is visible to query ``d`` iff ``t <= d`` and
     (``t < sink`` or ``t > d - window`` or ``d < e[t]``) — see :func:`retained`.
+
+    ``positions`` (optional, broadcastable to ``priority``, strictly increasing along the last dim) gives each
+    entry's sequence position when the entries are a subset of the tokens — a cache's slots plus a new chunk, or a
+    left-padded row (pads get negative positions: like sinks they never compete). The subset must contain every
+    token still retained at the first query of interest (evicted tokens never return, so the rest cannot matter).
+    Then ``e`` is in positions and "never" is ``positions.max() + 1``.
     """
     _check_priority(priority)
     size = priority.shape[-1]
     s, w, k = budget.sink, budget.window, budget.topk
-    positions = torch.arange(size, device=priority.device)
-    e = torch.full(priority.shape, size, dtype=torch.long, device=priority.device)
-    n = size - s  # candidates for the long-range slots
-    if n <= 0 or w >= size:
-        return e
-    cand = positions[s:]
-    if k == 0:
-        leave = cand + w  # nothing to keep: evicted as soon as it leaves the window
+    if positions is None:
+        pos = torch.arange(size, device=priority.device).expand(priority.shape)
+        never = size
     else:
-        rank, _ = ranks_newer_wins(priority[..., s:])
-        theta = prefix_kth_largest(rank, k)  # theta[..., j] for the eligible prefix [s, s + j]
-        first_beaten = torch.searchsorted(theta.contiguous(), rank.contiguous(), right=True)  # first j: theta > rank
-        leave = torch.maximum(cand, s + first_beaten) + w
-    e[..., s:] = leave.clamp(max=size)
-    return e
+        pos = positions.to(device=priority.device, dtype=torch.long).expand(priority.shape)
+        never = int(pos.max()) + 1
+    competes = pos >= s
+    if k == 0:
+        leave = pos + w  # nothing to keep: evicted as soon as it leaves the window
+    else:
+        # non-competitors sit before every competitor and get -inf, so they take the lowest ranks and never evict one
+        rank, _ = ranks_newer_wins(torch.where(competes, priority, float("-inf")))
+        theta = prefix_kth_largest(rank, k)  # theta[..., j]: k-th best rank once entries 0..j are eligible
+        first_beaten = torch.searchsorted(theta.contiguous(), rank.contiguous(), right=True)
+        index = torch.maximum(first_beaten, torch.arange(size, device=priority.device))  # not before it is eligible
+        leave = torch.where(index < size, pos.gather(-1, index.clamp(max=size - 1)) + w, never)
+    return torch.where(competes, leave.clamp(max=never), never)
 
 
 def retained(query_pos: torch.Tensor, token_pos: torch.Tensor, eviction: torch.Tensor, budget: Budget):

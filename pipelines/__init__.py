@@ -1,0 +1,1 @@
+"""Ray stages: each is `run(config) -> result`, callable from jobs and tests."""

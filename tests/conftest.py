@@ -1,0 +1,67 @@
+"""Shared test set-up: offline, quiet Ray, seeded torch, markers, and the prepared SmolLM2 folder.
+
+Tests that need SmolLM2 use the ``smollm2_dir`` / ``smollm2`` fixtures; if the folder has not been prepared
+they FAIL (never skip) with a message saying to run ``make model``.
+"""
+from __future__ import annotations
+
+import os
+
+# Before anything imports ray / transformers / huggingface_hub.
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+SEED = 0
+
+MARKERS = {
+    "slow": "takes more than a few seconds on the 2-core CPU box",
+    "ray": "starts (or joins) a local Ray cluster",
+    "pretrained": "needs the prepared SmolLM2 folder (`make model`)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, doc in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {doc}")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    """Every test starts from the same RNG state."""
+    random.seed(SEED)
+    torch.manual_seed(SEED)
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return
+    np.random.seed(SEED)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The prepared SmolLM2-135M-Instruct folder; fails the test (not skip) if it is missing."""
+    from kvpop.pretrained import is_complete, smollm2_dir as path_of
+
+    path = path_of()
+    if not is_complete(path):
+        pytest.fail(f"SmolLM2 folder {path} is missing or incomplete: run `make model` "
+                    f"(= `python -m kvpop.pretrained prepare`) first", pytrace=False)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in float32 on CPU, eval mode, loaded once per session.
+
+    Shared across tests: don't modify it in place (retrofit a copy instead).
+    """
+    from kvpop.pretrained import load_pretrained
+
+    return load_pretrained(smollm2_dir)
