@@ -199,3 +199,104 @@ def future_attention_targets_dense(q, k, window, *, scale=None, group_reduce="ma
     m = {"max": mean.amax(2), "mean": mean.mean(2), "sum": mean.sum(2)}[group_reduce]
     y = m.log()
     return torch.where(size - pos - window > 0, y, torch.full_like(y, float("-inf"))).float()
+
+
+# -----------------------------------------------------------------------------
+# the teacher pass: one dense forward that also yields every layer's targets and the top-K next-token logits
+
+TEACHER_ATTN = "kvpop_teacher"
+
+
+def causal_attention_with_lse(q, k, v, *, scale: float, backend: str = "auto"):
+    """Dense causal attention ``[B, Hq, S, D]`` and its LSE ``[B, Hq, S]`` in one pass (never an S×S map on CUDA)."""
+    b, hq, hkv, size, dim = _check(q, k, 1)
+    group = hq // hkv
+    if _resolve(backend, q) == "flex":
+        block_mask = _causal_block_mask(size, str(q.device))
+        out, aux = _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=group > 1,
+                         return_aux=AuxRequest(lse=True))
+        return out, aux.lse.float()
+    keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, size, dtype=torch.float32, device=q.device)
+    step = _rows_per_chunk(size, hq, b)
+    pos = torch.arange(size, device=q.device)
+    for start in range(0, size, step):
+        rows = slice(start, min(size, start + step))
+        scores = torch.einsum("bhqd,bhkd->bhqk", q[:, :, rows].float(), keys.float()) * scale
+        scores = scores.masked_fill(pos[None, :] > pos[rows, None], float("-inf"))
+        lse[:, :, rows] = scores.logsumexp(-1)
+        out[:, :, rows] = torch.einsum("bhqk,bhkd->bhqd", (scores - lse[:, :, rows, None]).exp(),
+                                       values.float()).to(q.dtype)
+    return out, lse
+
+
+class _TeacherRecorder:
+    def __init__(self, windows, group_reduce, backend):
+        self.windows, self.group_reduce, self.backend = tuple(windows), group_reduce, backend
+        self.targets: dict[int, dict[int, torch.Tensor]] = {w: {} for w in self.windows}
+
+
+def _teacher_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    recorder = getattr(module, "_kvpop_teacher_recorder", None)
+    if recorder is None:
+        raise RuntimeError("the kvpop_teacher attention runs only inside kvpop.targets.teacher_pass")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("the teacher pass takes unpadded fixed-length sequences (pack them)")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError("the teacher pass is one full forward: no cache")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, lse = causal_attention_with_lse(query, key, value, scale=scale, backend=recorder.backend)
+    for window in recorder.windows:
+        recorder.targets[window][module.layer_idx] = future_attention_targets(
+            query, key, window, lse=lse, scale=scale, group_reduce=recorder.group_reduce, backend=recorder.backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register_teacher() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from kvpop.attention import passthrough_mask
+
+    AttentionInterface.register(TEACHER_ATTN, _teacher_attention_forward)
+    AttentionMaskInterface.register(TEACHER_ATTN, passthrough_mask)
+
+
+@torch.no_grad()
+def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, group_reduce: str = "max",
+                 backend: str = "auto", logits_chunk: int = 1024) -> dict:
+    """Run a frozen dense model once and return what training needs from it (METHOD §2, §3).
+
+    Returns ``{"targets": {window: [layers, B, Hkv, S] float32}, "topk_values": [B, S, K] float32,
+    "topk_indices": [B, S, K] int64}``. Targets come from the transposed pass with the forward's own LSE; the
+    logits are projected ``logits_chunk`` positions at a time, so no ``[S, vocab]`` tensor is held for long S.
+    """
+    windows = sorted({int(w) for w in windows})
+    if not windows or windows[0] < 1:
+        raise ValueError(f"windows must be integers >= 1, got {windows}")
+    _register_teacher()
+    attn_modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
+                    and hasattr(m, "k_proj")]
+    recorder = _TeacherRecorder(windows, group_reduce, backend)
+    previous = model.config._attn_implementation
+    for module in attn_modules:
+        module._kvpop_teacher_recorder = recorder
+    model.config._attn_implementation = TEACHER_ATTN
+    try:
+        base = getattr(model, model.base_model_prefix)
+        hidden = base(input_ids=input_ids, use_cache=False).last_hidden_state
+    finally:
+        model.config._attn_implementation = previous
+        for module in attn_modules:
+            del module._kvpop_teacher_recorder
+    head = model.get_output_embeddings()
+    values, indices = [], []
+    for start in range(0, hidden.shape[1], logits_chunk):
+        logits = head(hidden[:, start:start + logits_chunk]).float()
+        top = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+        values.append(top.values)
+        indices.append(top.indices)
+    layers = len(attn_modules)
+    targets = {w: torch.stack([recorder.targets[w][i] for i in range(layers)]) for w in windows}
+    return {"targets": targets, "topk_values": torch.cat(values, 1), "topk_indices": torch.cat(indices, 1)}

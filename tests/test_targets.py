@@ -67,3 +67,38 @@ def test_rejects_bad_shapes():
         future_attention_targets(q, torch.randn(1, 2, 10, 8), 0)
     with pytest.raises(ValueError, match="lse"):
         future_attention_targets(q, torch.randn(1, 2, 10, 8), 1, lse=torch.zeros(1, 4, 9))
+
+
+def test_teacher_pass_on_a_real_decoder_matches_its_own_attention():
+    """Targets from the teacher pass equal the brute force on the model's own q, k; logits equal the plain forward."""
+    from kvpop.targets import teacher_pass
+    from tests.models import tiny_model
+
+    model = tiny_model("qwen3", "gqa")
+    ids = torch.randint(1, 97, (2, 40))
+    captured = {}
+
+    def capture(module, query, key, value, attention_mask, scaling=None, **kwargs):  # record q, k after RoPE/norms
+        captured[module.layer_idx] = (query.clone(), key.clone(), scaling)
+        return sdpa(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
+    AttentionInterface.register("capture_for_test", capture)
+    model.config._attn_implementation = "capture_for_test"
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.config._attn_implementation = "sdpa"
+    out = teacher_pass(model, ids, windows=[3, 8], top_k=10)
+    assert out["targets"][3].shape == (2, 2, 2, 40)  # layers, B, Hkv, S
+    for window in (3, 8):
+        for layer, (q, k, scale) in captured.items():
+            ref = future_attention_targets_dense(q, k, window, scale=scale)
+            got = out["targets"][window][layer]
+            finite = torch.isfinite(ref)
+            assert torch.equal(finite, torch.isfinite(got))
+            assert (got[finite] - ref[finite]).abs().max() <= 1e-5
+    top = logits.topk(10, dim=-1)
+    assert torch.allclose(out["topk_values"], top.values, atol=1e-4)
+    assert torch.equal(out["topk_indices"], top.indices)
+    assert model.config._attn_implementation == "sdpa"  # restored

@@ -1,0 +1,224 @@
+"""Attention under the retention rule (METHOD §5): FlexAttention driven by per-token tensors.
+
+One primitive, :func:`retention_attention`, serves training, prefill and chunked prefill: queries at positions
+``q_pos`` attend to keys at ``kv_pos`` (per KV head: a cache's slots hold different tokens per head) where
+``retained(q_pos, kv_pos, kv_evict)`` and ``kv_valid`` hold. No S×S mask is ever stored: the mask is a
+``mask_mod`` reading O(S) tensors, and the block structure is derived from them in O((S/128)²).
+
+Decoding a single token over a fixed cache needs no mask at all beyond "slot is filled":
+:func:`slot_attention`.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from kvpop.budget import Budget
+
+BLOCK = 128  # FlexAttention's sparse block size
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex(query, key, value, **kwargs):
+    """Compiled FlexAttention on CUDA (one compiled callable per process); eager on CPU (small S only)."""
+    if query.is_cuda:
+        return _compiled_flex()(query, key, value, **kwargs)
+    return flex_attention(query, key, value, **kwargs)
+
+
+def _retention_mask_mod(q_pos, kv_pos, kv_evict, kv_valid, sink: int, window: int, group: int):
+    def mask_mod(b, h, q_idx, kv_idx):
+        g = h // group
+        d = q_pos[b, q_idx]
+        t = kv_pos[b, g, kv_idx]
+        protected = (t < sink) | (t > d - window) | (d < kv_evict[b, g, kv_idx])
+        return kv_valid[b, g, kv_idx] & (t <= d) & protected
+    return mask_mod
+
+
+def _block_extent(values: torch.Tensor, fill, reduce: str) -> torch.Tensor:
+    """Reduce ``[..., N]`` over blocks of ``BLOCK`` along the last dim (padding with ``fill``)."""
+    n = values.shape[-1]
+    pad = (-n) % BLOCK
+    if pad:
+        values = F.pad(values, (0, pad), value=fill)
+    blocks = values.unflatten(-1, (-1, BLOCK))
+    return blocks.amax(-1) if reduce == "max" else blocks.amin(-1)
+
+
+def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_heads: int) -> BlockMask:
+    """A BlockMask whose block structure comes from the retention tensors themselves.
+
+    Token ``t`` (not a sink) is visible to the queries ``t <= d < max(e[t], t + window)``; a sink to every
+    ``d >= t``. So a KV block can matter to a query block only if its earliest token is not after the block's last
+    query and its latest visibility end is after the block's first query; it is *full* (no mask_mod needed) when
+    every token is valid, before the first query and visible past the last query.
+    """
+    bsz, hkv, _ = kv_pos.shape
+    group = num_heads // hkv
+    big = torch.iinfo(torch.long).max // 4
+    vis_end = torch.where(kv_pos < budget.sink, big, torch.maximum(kv_evict, kv_pos + budget.window))
+    vis_end = torch.where(kv_valid, vis_end, -big)
+    start = torch.where(kv_valid, kv_pos, big)
+    q_first = _block_extent(q_pos, big, "min")  # [B, nq]
+    q_last = _block_extent(q_pos, -big, "max")
+    kv_first = _block_extent(start, big, "min")  # [B, Hkv, nk]
+    kv_last_start = _block_extent(torch.where(kv_valid, kv_pos, -big), -big, "max")
+    kv_end_max = _block_extent(vis_end, -big, "max")
+    kv_end_min = _block_extent(torch.where(kv_valid, vis_end, -big), -big, "min")
+    all_valid = _block_extent((~kv_valid).long(), 1, "max") == 0
+    qf, ql = q_first[:, None, :, None], q_last[:, None, :, None]
+    any_visible = (kv_first[:, :, None, :] <= ql) & (kv_end_max[:, :, None, :] > qf)
+    full = all_valid[:, :, None, :] & (kv_last_start[:, :, None, :] <= qf) & (kv_end_min[:, :, None, :] > ql)
+    partial = any_visible & ~full
+    partial, full = (x.repeat_interleave(group, dim=1) for x in (partial, full))  # per query head
+    mask_mod = _retention_mask_mod(q_pos, kv_pos, kv_evict, kv_valid, budget.sink, budget.window, group)
+    return BlockMask.from_kv_blocks(
+        *_to_indices(partial), *_to_indices(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+        seq_lengths=(q_pos.shape[-1], kv_pos.shape[-1]))
+
+
+def _to_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense block booleans ``[B, H, nq, nk]`` → (counts, indices with the selected blocks first)."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts, order
+
+
+def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid, budget: Budget,
+                        scale: float, backend: str = "auto") -> torch.Tensor:
+    """Masked attention; returns ``[B, C, Hq, D]`` (the layout transformers' attention functions return).
+
+    ``query [B, Hq, C, D]``, ``key/value [B, Hkv, N, D]``; ``q_pos [B, C]``; ``kv_pos``, ``kv_evict``,
+    ``kv_valid`` ``[B, Hkv, N]`` (broadcastable on the head dim). Queries that see nothing (padding) give 0.
+    ``backend``: ``flex`` (CUDA default: compiled, block-sparse) or ``chunked`` (CPU default: SDPA over blocks of
+    queries, each with its own ``[rows × N]`` mask — FlexAttention has no backward on CPU).
+    """
+    bsz, hq, _, _ = query.shape
+    hkv = key.shape[1]
+    shape = (bsz, hkv, key.shape[2])
+    kv_pos, kv_evict, kv_valid = (x.expand(shape).contiguous() for x in (kv_pos, kv_evict, kv_valid))
+    if backend == "auto":
+        backend = "flex" if query.is_cuda else "chunked"
+    if backend == "chunked":
+        return _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale)
+    if backend != "flex":
+        raise ValueError(f"backend must be 'auto', 'flex' or 'chunked', got {backend!r}")
+    block_mask = retention_block_mask(q_pos.contiguous(), kv_pos, kv_evict, kv_valid, budget, hq)
+    out = flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv)
+    return out.transpose(1, 2).contiguous()
+
+
+def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale, budget_bytes=1 << 25):
+    from kvpop.retention import retained
+
+    bsz, hq, q_len, _ = query.shape
+    hkv, kv_len = key.shape[1], key.shape[2]
+    group = hq // hkv
+    rows = max(1, min(q_len, budget_bytes // max(1, bsz * hq * kv_len)))
+    outs = []
+    for start in range(0, q_len, rows):
+        sl = slice(start, min(q_len, start + rows))
+        d = q_pos[:, None, sl, None]
+        mask = kv_valid[:, :, None, :] & retained(d, kv_pos[:, :, None, :], kv_evict[:, :, None, :], budget)
+        mask = mask.repeat_interleave(group, dim=1)  # [B, Hq, rows, N]
+        sees = mask.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(query[:, :, sl], key.repeat_interleave(group, dim=1),
+                                             value.repeat_interleave(group, dim=1), attn_mask=mask | ~sees,
+                                             scale=scale)
+        outs.append(torch.where(sees, out, 0.0))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
+
+
+def slot_attention(query, keys, values, filled, *, scale: float, return_probs: bool = False):
+    """One query per row over a fixed cache: ``query [B, Hq, 1, D]``, ``keys [B, Hkv, slots, D]``,
+    ``filled [B, Hkv, slots]``. Returns ``[B, 1, Hq, D]`` (and the attention probabilities ``[B, Hq, slots]``)."""
+    bsz, hq, _, dim = query.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    if not return_probs:
+        mask = filled.repeat_interleave(group, dim=1)[:, :, None, :]
+        out = F.scaled_dot_product_attention(query, keys.repeat_interleave(group, dim=1),
+                                             values.repeat_interleave(group, dim=1), attn_mask=mask, scale=scale)
+        return out.transpose(1, 2), None
+    q = query.view(bsz, hkv, group, dim).float()
+    scores = torch.einsum("bgqd,bgsd->bgqs", q, keys.float()) * scale
+    scores = scores.masked_fill(~filled[:, :, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    out = torch.einsum("bgqs,bgsd->bgqd", probs, values.float()).to(query.dtype)
+    return out.reshape(bsz, hq, 1, dim).transpose(1, 2), probs.reshape(bsz, hq, -1)
+
+
+# -----------------------------------------------------------------------------
+# the attention function transformers calls (registered as "kvpop" by kvpop.retrofit)
+
+
+def token_positions(valid_cols: torch.Tensor | None, batch: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(valid [B, N], positions [B, N])`` for the last ``length`` columns of a 2-D padding mask.
+
+    Positions count real tokens only (left padding gets negative positions), so a padded row is retained exactly
+    as it would be alone. Real tokens must be contiguous (left and/or right padding).
+    """
+    arange = torch.arange(length, device=device)
+    if valid_cols is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device), arange.expand(batch, length)
+    valid = valid_cols[:, -length:].to(device=device, dtype=torch.bool)
+    leading = (valid.long().cumsum(-1) == 0).sum(-1, keepdim=True)
+    count = valid.sum(-1, keepdim=True)
+    if not torch.equal(valid, (arange >= leading) & (arange < leading + count)):
+        raise ValueError("KVpop supports left or right padding only: each row's real tokens must be contiguous")
+    return valid, arange - leading
+
+
+def kvpop_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers AttentionInterface entry point: the fixed cache's step, or the one-pass masked forward."""
+    runtime = getattr(module, "kvpop_runtime", None)
+    if runtime is None:
+        raise RuntimeError("this attention module was not retrofitted: call kvpop.retrofit(model, budget, ...) first")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    valid_cols = attention_mask if (attention_mask is not None and attention_mask.dim() == 2) else None
+    if attention_mask is not None and valid_cols is None:
+        raise ValueError("KVpop builds its own masks: pass a 2-D padding mask (or none), not a 4-D attention mask")
+    cache_layer = runtime.pending.pop(module.layer_idx, None)
+    if cache_layer is not None:
+        return cache_layer.attend(module, query, key, value, valid_cols, scale), None
+    return sequence_attention(module, runtime, query, key, value, valid_cols, scale), None
+
+
+def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
+    """Queries are the last ``C`` of ``N`` tokens (``C == N`` in training / prefill). Static policies only."""
+    from kvpop.policies.base import LayerView
+    from kvpop.retention import eviction_positions
+
+    policy = runtime.policy
+    bsz, _, q_len, _ = query.shape
+    kv_len = key.shape[2]
+    valid, positions = token_positions(valid_cols, bsz, kv_len, key.device)
+    q_pos = positions[:, kv_len - q_len:]
+    if policy.budget is None:  # dense: causal over real tokens
+        evict = torch.full((bsz, 1, kv_len), torch.iinfo(torch.long).max // 4, device=key.device)
+        return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
+                                   kv_valid=valid[:, None], budget=Budget(0, 1, 0), scale=scale)
+    if policy.dynamic:
+        raise RuntimeError(f"the {policy.name} policy re-scores the cache every step: run it through the fixed "
+                           "cache (model.generate, or kvpop.decode.teacher_forced_logits), not a one-pass forward")
+    layer = LayerView(module.layer_idx, module, runtime)
+    raw = policy.sequence_priorities(layer, key, value, valid, positions[:, None, :])
+    ranked = policy.ranked(raw, positions[:, None, :])
+    if runtime.collected is not None:
+        runtime.collected[module.layer_idx] = ranked
+    evict = eviction_positions(ranked.detach().float(), policy.budget, positions=positions[:, None, :])
+    return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
+                               kv_valid=valid[:, None], budget=policy.budget, scale=scale)
+
+
+def passthrough_mask(*args, attention_mask=None, **kwargs):
+    """AttentionMaskInterface entry: hand the 2-D padding mask through; the attention builds the real mask."""
+    return attention_mask

@@ -1,0 +1,75 @@
+"""What every eviction policy shares (METHOD §1): a budget, a recency term, and where priorities come from.
+
+A *static* policy gives each token one priority, fixed when the token leaves the protected window, so the whole
+sequence can run in one masked forward and the fixed cache reproduces it exactly. A *dynamic* policy (TOVA, H2O)
+re-scores the cache from the attention it observes, so it runs step by step only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvpop.budget import Budget
+
+
+@dataclass(frozen=True)
+class LayerView:
+    """What a policy may look at for one attention layer."""
+
+    layer_idx: int
+    module: torch.nn.Module  # the attention module (holds ``kvpop_scorer`` when retrofitted with one)
+    runtime: object  # kvpop.retrofit.Runtime: shared per-model inputs (oracle priorities, …)
+
+
+@dataclass(frozen=True)
+class Policy:
+    budget: Budget | None
+    recency: float = 0.0  # priority[t] = r[t] + recency * t (METHOD §3)
+
+    name: ClassVar[str] = "policy"
+    dynamic: ClassVar[bool] = False
+
+    def __post_init__(self):
+        if self.budget is not None and not isinstance(self.budget, Budget):
+            raise ValueError(f"{self.name}: budget must be a kvpop.Budget or None, got {self.budget!r}")
+        if self.recency < 0:
+            raise ValueError(f"{self.name}: recency must be >= 0, got {self.recency}")
+
+    def ranked(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Add the recency term: what the mask and the cache actually rank by."""
+        if self.recency == 0:
+            return priority
+        return priority + self.recency * positions.to(priority.dtype)
+
+
+class StaticPolicy(Policy):
+    """Priorities from the tokens themselves; the same in the one-pass forward and in the cache."""
+
+    def sequence_priorities(self, layer: LayerView, keys, values, valid, positions) -> torch.Tensor:
+        """Raw priorities ``[B, Hkv, S]`` for a whole sequence (may carry grad for training)."""
+        return self.priorities_at(layer, positions, keys.shape[1])
+
+    def start(self, layer: LayerView, keys, values, valid, positions):
+        """Prefill from an empty cache: ``(priorities [B, Hkv, C], decode state)``."""
+        return self.sequence_priorities(layer, keys, values, valid, positions), None
+
+    def step(self, layer: LayerView, key, value, valid, position, state):
+        """One new token at ``position [B]``: ``(raw priority of token position - window [B, Hkv], state)``."""
+        window = self.budget.window
+        return self.priorities_at(layer, (position - window)[:, None, None], key.shape[1])[..., 0], state
+
+    def priorities_at(self, layer: LayerView, positions: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+        """Raw priorities of the tokens at ``positions`` (broadcastable ``[B, Hkv?, N]``) → ``[B, Hkv, N]``."""
+        raise NotImplementedError
+
+
+class DynamicPolicy(Policy):
+    """Scores the cache's tokens from the attention they receive; only the step-by-step path."""
+
+    dynamic: ClassVar[bool] = True
+
+    def observe(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """New per-slot scores from the old ones and this step's attention ``[B, Hkv, slots]``."""
+        raise NotImplementedError

@@ -1,0 +1,274 @@
+"""``kvpop.retrofit(model, budget, scorer=...)``: KVpop on a stock transformers decoder, no forked modeling code.
+
+Retrofitting attaches one scorer per attention layer (``self_attn.kvpop_scorer``), a shared :class:`Runtime`, and
+switches the model's attention implementation to ``"kvpop"`` through transformers' ``AttentionInterface`` and
+``AttentionMaskInterface`` registries. ``save_retrofitted`` / ``load_retrofitted`` round-trip it through a plain
+folder: the base model as transformers saves it, plus ``kvpop.json`` and ``kvpop_scorers.safetensors``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+from kvpop.attention import kvpop_attention_forward, passthrough_mask
+from kvpop.budget import Budget
+from kvpop.cache import KVpopCache
+from kvpop.policies import Policy, build_policy
+from kvpop.scorers import build_scorer
+
+try:
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError:  # pragma: no cover - very old transformers
+    AttentionMaskInterface = None
+
+ATTN_NAME = "kvpop"
+FORMAT_VERSION = 1
+CONFIG_FILE = "kvpop.json"
+SCORERS_FILE = "kvpop_scorers.safetensors"
+
+
+@dataclass
+class Runtime:
+    """Shared by every attention module of one retrofitted model."""
+
+    policy: Policy
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    base_attn_implementation: str
+    scorer_spec: dict | None = None  # {"name": ..., **options}
+    oracle: torch.Tensor | None = None  # [layers, B, Hkv, S] teacher targets for the oracle policy
+    collected: dict | None = None  # layer -> ranked priorities (with grad) of the last forward
+    pending: dict = field(default_factory=dict)  # layer -> cache layer whose update awaits its attention call
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_NAME, kvpop_attention_forward)
+    if AttentionMaskInterface is not None:
+        AttentionMaskInterface.register(ATTN_NAME, passthrough_mask)
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules, in layer order; a clear error when they cannot be found."""
+    found = {}
+    for name, module in model.named_modules():
+        if (isinstance(getattr(module, "layer_idx", None), int) and hasattr(module, "k_proj")
+                and hasattr(module, "v_proj") and name.endswith("attn")):
+            found[module.layer_idx] = module
+    layers = getattr(model.config, "num_hidden_layers", None)
+    if not found or layers is None or sorted(found) != list(range(layers)):
+        raise ValueError(
+            f"could not find one self-attention module per layer with k_proj/v_proj and layer_idx in "
+            f"{type(model).__name__} (found layers {sorted(found)}, config says {layers}). KVpop retrofits decoders "
+            f"whose attention follows transformers' Llama layout (Llama, Qwen2/3, Mistral, SmolLM, …).")
+    return [found[i] for i in range(layers)]
+
+
+def _shape(model: nn.Module) -> tuple[int, int, int, int]:
+    cfg = model.config
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if not heads or not kv_heads or heads % kv_heads:
+        raise ValueError(f"{type(model).__name__}: cannot read the KV heads from its config "
+                         f"(num_attention_heads={heads}, num_key_value_heads={kv_heads})")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, heads, kv_heads, head_dim
+
+
+def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlstm", policy: str | Policy = "kvpop",
+             *, recency: float = 0.0, scorer_options: dict | None = None) -> nn.Module:
+    """Attach scorers and switch attention to KVpop, in place; returns the model.
+
+    ``policy`` names one of :data:`kvpop.policies.POLICIES` (or is a Policy); ``scorer=None`` attaches none (for
+    baselines). The scorers are float32 and on the model's device; their inputs are detached.
+    """
+    layers = attention_modules(model)
+    num_layers, heads, kv_heads, head_dim = _shape(model)
+    if budget is not None:
+        context = getattr(model.config, "max_position_embeddings", None)
+        if context is not None and budget.total > context:
+            raise ValueError(f"budget {budget} holds {budget.total} tokens, more than the model's context of "
+                             f"{context}: lower topk (or window) so that sink + window + topk <= {context}")
+    pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, recency=recency)
+    if pol.name == "kvpop" and scorer is None:
+        raise ValueError("the kvpop policy needs a scorer: pass scorer='mlstm', 'mlp' or 'mlstm_immediate'")
+    if getattr(model, "kvpop_runtime", None) is not None:
+        raise ValueError("this model is already retrofitted: use kvpop.set_policy to change its policy or budget")
+    device = next(model.parameters()).device
+    spec = None
+    if scorer is not None:
+        if (budget or pol.budget) is None:
+            raise ValueError("a scorer reads priorities `window` tokens late: pass a budget to retrofit it")
+        window = (budget or pol.budget).window
+        spec = {"name": scorer, **(scorer_options or {})}
+        for module in layers:
+            module.kvpop_scorer = build_scorer(scorer, kv_heads, head_dim, window, **(scorer_options or {})).to(device)
+    base_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
+    runtime = Runtime(pol, num_layers, heads, kv_heads, head_dim, base_impl, spec)
+    for module in layers:
+        module.kvpop_runtime = runtime  # a plain attribute: not a submodule, not in the state dict
+    model.kvpop_runtime = runtime
+    _register()
+    model.config._attn_implementation = ATTN_NAME
+    model.generate = types.MethodType(_generate_with_kvpop_cache, model)
+    return model
+
+
+def _generate_with_kvpop_cache(self, *args, **kwargs):
+    """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache)."""
+    if self.kvpop_runtime.policy.budget is not None and kwargs.get("past_key_values") is None \
+            and kwargs.get("cache") is None:
+        kwargs["past_key_values"] = KVpopCache(self)
+    return type(self).generate(self, *args, **kwargs)
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    runtime = getattr(model, "kvpop_runtime", None)
+    if runtime is None:
+        raise ValueError("the model is not retrofitted: call kvpop.retrofit(model, budget, ...) first")
+    return runtime
+
+
+def set_policy(model: nn.Module, policy: str | Policy, budget: Budget | None = None, **options) -> Policy:
+    """Switch the policy (and budget) of a retrofitted model, e.g. to evaluate baselines at the same budget."""
+    runtime = runtime_of(model)
+    pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, **options)
+    if pol.budget is not None and runtime.scorer_spec is not None and pol.name == "kvpop":
+        window = attention_modules(model)[0].kvpop_scorer.window
+        if pol.budget.window != window:
+            raise ValueError(f"the scorers read priorities {window} tokens late (their window); a budget with window "
+                             f"{pol.budget.window} needs scorers trained for it")
+    runtime.policy = pol
+    return pol
+
+
+@contextlib.contextmanager
+def oracle_priorities(model: nn.Module, targets: torch.Tensor):
+    """Make the oracle policy read ``targets [layers, B, Hkv, S]`` (teacher future attention) within the block."""
+    runtime = runtime_of(model)
+    if targets.dim() != 4 or targets.shape[0] != runtime.num_layers or targets.shape[2] != runtime.num_kv_heads:
+        raise ValueError(f"oracle targets must be [layers={runtime.num_layers}, B, Hkv={runtime.num_kv_heads}, S], "
+                         f"got {tuple(targets.shape)}")
+    previous, runtime.oracle = runtime.oracle, targets
+    try:
+        yield
+    finally:
+        runtime.oracle = previous
+
+
+@contextlib.contextmanager
+def collect_priorities(model: nn.Module):
+    """Collect each layer's ranked priorities ``[B, Hkv, S]`` (with grad) from one-pass forwards in the block."""
+    runtime = runtime_of(model)
+    store: dict[int, torch.Tensor] = {}
+    previous, runtime.collected = runtime.collected, store
+    try:
+        yield store
+    finally:
+        runtime.collected = previous
+
+
+def scorers(model: nn.Module) -> nn.ModuleList:
+    """The per-layer scorers, in layer order (a view: they stay attached to their attention modules)."""
+    return nn.ModuleList([m.kvpop_scorer for m in attention_modules(model) if hasattr(m, "kvpop_scorer")])
+
+
+def _describe(model: nn.Module) -> dict:
+    runtime = runtime_of(model)
+    pol = runtime.policy
+    budget = pol.budget
+    return {
+        "format_version": FORMAT_VERSION,
+        "policy": pol.name,
+        "budget": None if budget is None else {"sink": budget.sink, "window": budget.window, "topk": budget.topk},
+        "recency": pol.recency,
+        "scorer": runtime.scorer_spec,
+        "scorer_window": attention_modules(model)[0].kvpop_scorer.window if runtime.scorer_spec else None,
+        "num_layers": runtime.num_layers,
+        "num_kv_heads": runtime.num_kv_heads,
+        "head_dim": runtime.head_dim,
+        "base_attn_implementation": runtime.base_attn_implementation,
+    }
+
+
+def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
+    """Save base weights (as transformers saves them), ``kvpop.json`` and the scorer weights into ``path``."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    runtime = runtime_of(model)
+    base_state = {k: v for k, v in model.state_dict().items() if ".kvpop_scorer." not in k}
+    model.config._attn_implementation = runtime.base_attn_implementation  # loadable without KVpop
+    try:
+        model.save_pretrained(path, state_dict=base_state)
+    finally:
+        model.config._attn_implementation = ATTN_NAME
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    if runtime.scorer_spec is not None:
+        weights = {f"layers.{i}.{k}": v.detach().cpu().contiguous() for i, m in enumerate(attention_modules(model))
+                   for k, v in m.kvpop_scorer.state_dict().items()}
+        save_file(weights, str(path / SCORERS_FILE))
+    (path / CONFIG_FILE).write_text(json.dumps(_describe(model), indent=2))
+    return path
+
+
+def load_scorers(model: nn.Module, path: str | Path) -> None:
+    """Load ``kvpop_scorers.safetensors`` from ``path`` into an already retrofitted model, checking it fits."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    runtime = runtime_of(model)
+    mine = {"num_layers": runtime.num_layers, "num_kv_heads": runtime.num_kv_heads, "head_dim": runtime.head_dim}
+    theirs = {key: meta.get(key) for key in mine}
+    if mine != theirs:
+        raise ValueError(f"the scorer checkpoint in {path} was trained for {theirs} but this model has {mine}: "
+                         f"load it into the model it was trained with, or retrain the scorers for this one")
+    if (meta.get("scorer") or {}).get("name") != (runtime.scorer_spec or {}).get("name"):
+        raise ValueError(f"the checkpoint holds {meta.get('scorer')} scorers but the model was retrofitted with "
+                         f"{runtime.scorer_spec}: retrofit with scorer={meta.get('scorer', {}).get('name')!r}")
+    weights = load_file(str(path / SCORERS_FILE))
+    for i, module in enumerate(attention_modules(model)):
+        prefix = f"layers.{i}."
+        state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+        try:
+            module.kvpop_scorer.load_state_dict(state, strict=True)
+        except RuntimeError as err:
+            raise ValueError(f"the scorer weights in {path} do not fit layer {i}'s scorer ({err}); "
+                             f"retrofit with the scorer options they were trained with") from None
+
+
+def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """``(model, tokenizer_or_None)`` from a folder written by :func:`save_retrofitted`; no remote code."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: it is not a folder written by kvpop.save_retrofitted")
+    meta = json.loads((path / CONFIG_FILE).read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: kvpop format {meta.get('format_version')}, this version reads {FORMAT_VERSION}")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    budget = Budget(**meta["budget"]) if meta["budget"] else None
+    spec = dict(meta["scorer"]) if meta["scorer"] else None
+    name = spec.pop("name") if spec else None
+    if budget is None and spec is not None:
+        budget = Budget(0, meta["scorer_window"], 0)
+    retrofit(model, budget, scorer=name, policy=meta["policy"] if meta["policy"] != "dense" else "dense",
+             recency=meta.get("recency", 0.0), scorer_options=spec)
+    if spec is not None or name is not None:
+        load_scorers(model, path)
+    tokenizer = None
+    if (path / "tokenizer_config.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer

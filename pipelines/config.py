@@ -1,0 +1,338 @@
+"""Pipeline configuration: YAML presets mapped onto frozen dataclasses, overridable with ``--set key=value``.
+
+Every stage reads one :class:`PipelineConfig`. Unknown keys and wrong types are :class:`ConfigError`s (the CLIs turn
+them into a one-line message and exit code 2). :func:`fingerprint` hashes the parts of a config a stage's output
+depends on, so outputs live under paths that never mix two configurations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvpop.budget import Budget
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix: the message says what and how."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "smollm2"  # a local HF folder, or "smollm2" for the prepared SmolLM2-135M-Instruct
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+
+    def resolved_path(self) -> Path:
+        if self.path == "smollm2":
+            from kvpop.pretrained import smollm2_dir
+            return smollm2_dir()
+        return Path(self.path).expanduser()
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "champ"  # "champ" (packaged math transcripts), a local dataset folder / .jsonl / .parquet, or a hub name
+    text_field: str = "text"
+    split: str = "train"
+    seq_len: int = 512
+    num_sequences: int = 32  # training sequences
+    eval_sequences: int = 4  # held-out sequences (disjoint documents)
+    packing: bool = True  # concatenate documents with EOS and cut into seq_len pieces; else truncate/drop short docs
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    sink: int = 4
+    window: int = 32
+    topk: int = 96
+
+    def budget(self) -> Budget:
+        return Budget(self.sink, self.window, self.topk)
+
+
+@dataclass(frozen=True)
+class PrecomputeConfig:
+    windows: tuple[int, ...] = (32,)  # targets depend on the window only (METHOD §2)
+    top_k: int = 64  # teacher top-K logits kept for distillation
+    group_reduce: str = "max"
+    sequences_per_shard: int = 4
+    batch_size: int = 1
+    num_actors: int = 1
+    num_gpus_per_actor: float = 0.0
+    output_root: str = ""  # default: $KVPOP_HOME/targets
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    scorer: str = "mlstm"
+    scorer_options: dict = field(default_factory=dict)
+    mode: str = "scorer_only"  # scorer_only | distill
+    beta: float = 1.0  # L = KL + beta * L_ret
+    tau: float = 1.0
+    recency: float = 0.0
+    loss_weight: str = "none"  # none | margin
+    lr: float = 3e-3
+    base_lr: float = 1e-5  # for the base model in distill mode
+    steps: int = 40
+    batch_size: int = 2
+    num_workers: int = 1
+    use_gpu: bool = False
+    checkpoint_every: int = 10
+    max_failures: int = 1
+    run_name: str = ""  # default: derived from the config hash, so a restart resumes
+    output_root: str = ""  # default: $KVPOP_HOME/runs
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    scorers: tuple[str, ...] = ("mlstm", "mlp")
+    lrs: tuple[float, ...] = ()
+    budgets: tuple[tuple[int, int, int], ...] = ()  # (sink, window, topk); empty: the main budget only
+    num_samples: int = 1
+    max_concurrent_trials: int = 2
+    steps: int = 20
+    grace_period: int = 5
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
+    budgets: tuple[int, ...] = ()  # total budgets B; empty: the training budget only
+    compression_ratios: tuple[float, ...] = ()  # alternatively CR = 1 - B / seq_len
+    tasks: tuple[str, ...] = ("kv_retrieval", "variable_tracking", "arithmetic")
+    task_samples: int = 4
+    task_context: int = 384
+    max_new_tokens: int = 8
+    checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    address: str = ""  # "" = start a local cluster (or join RAY_ADDRESS when set)
+    num_cpus: int = 4  # logical CPUs of a local cluster: oversubscribed on purpose (NOTES.md: Train+Data deadlock)
+    no_progress_timeout_s: int = 600
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    uri: str = ""  # default: sqlite:///$KVPOP_HOME/mlflow.db
+    experiment: str = "kvpop"
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    name: str = "default"
+    home: str = ""  # default: $KVPOP_HOME or <repo>/.kvpop
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def __post_init__(self):
+        _validate(self)
+
+    # -- derived locations ----------------------------------------------------------------------------------
+    def home_dir(self) -> Path:
+        if self.home:
+            return Path(self.home).expanduser().resolve()
+        from kvpop.pretrained import kvpop_home
+        return Path(kvpop_home()).resolve()
+
+    def tracking_uri(self) -> str:
+        return self.tracking.uri or f"sqlite:///{self.home_dir() / 'mlflow.db'}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+
+def _validate(cfg: PipelineConfig) -> None:
+    try:
+        cfg.budget.budget()
+    except ValueError as err:
+        raise ConfigError(f"budget: {err}") from None
+    if cfg.budget.window not in cfg.precompute.windows:
+        raise ConfigError(f"budget.window={cfg.budget.window} has no targets: add it to precompute.windows "
+                          f"(now {list(cfg.precompute.windows)})")
+    if cfg.budget.sink + cfg.budget.window + cfg.budget.topk > cfg.data.seq_len:
+        raise ConfigError(f"budget {cfg.budget.budget()} keeps {cfg.budget.budget().total} tokens, more than "
+                          f"data.seq_len={cfg.data.seq_len}: nothing would be evicted")
+    checks = [
+        (cfg.data.seq_len >= 8, "data.seq_len must be >= 8"),
+        (cfg.data.num_sequences >= 1, "data.num_sequences must be >= 1"),
+        (cfg.data.eval_sequences >= 0, "data.eval_sequences must be >= 0"),
+        (cfg.precompute.top_k >= 1, "precompute.top_k must be >= 1"),
+        (cfg.precompute.group_reduce in ("max", "mean", "sum"), "precompute.group_reduce must be max, mean or sum"),
+        (cfg.precompute.sequences_per_shard >= 1, "precompute.sequences_per_shard must be >= 1"),
+        (cfg.train.mode in ("scorer_only", "distill"), "train.mode must be scorer_only or distill"),
+        (cfg.train.loss_weight in ("none", "margin"), "train.loss_weight must be none or margin"),
+        (cfg.train.steps >= 1 and cfg.train.batch_size >= 1, "train.steps and train.batch_size must be >= 1"),
+        (cfg.train.tau > 0 and cfg.train.lr > 0, "train.tau and train.lr must be > 0"),
+        (cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype must be float32, bfloat16 or float16"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    for total in cfg.eval.budgets:
+        if total < cfg.budget.sink + cfg.budget.window:
+            raise ConfigError(f"eval.budgets: {total} is smaller than sink + window = "
+                              f"{cfg.budget.sink + cfg.budget.window} (impossible budget)")
+    for ratio in cfg.eval.compression_ratios:
+        if not 0 <= ratio < 1:
+            raise ConfigError(f"eval.compression_ratios: {ratio} is not in [0, 1)")
+
+
+# -----------------------------------------------------------------------------
+# building a config from YAML + overrides, with type checking
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = typing.get_origin(hint)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return _build(hint, value, where)
+    if hint is Any:
+        return value
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        inner = args[0] if args and args[-1] is Ellipsis else None
+        if inner is None:
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} items, got {value!r}")
+            return tuple(_coerce(v, a, where) for v, a in zip(value, args))
+        return tuple(_coerce(v, inner, where) for v in value)
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(value, option, where)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} fits none of {hint}")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null, got {value!r}")
+    raise ConfigError(f"{where}: unsupported type {hint}")
+
+
+def _build(cls, values: dict, where: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        prefix = f"{where}." if where else ""
+        raise ConfigError(f"unknown key {prefix}{unknown[0]}; known keys here: {', '.join(sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in values.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"{where or 'config'}: {err}") from None
+
+
+def _set_path(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"--set {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=1e-3"`` → ``("train.lr", 0.001)``; the value is parsed as YAML (so lists and bools work)."""
+    if "=" not in text:
+        raise ConfigError(f"--set expects key=value, got {text!r}")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(f"--set {key}: cannot parse {raw!r} ({err})") from None
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
+    """The default config, updated by a YAML file, then by ``key=value`` overrides (dotted keys)."""
+    tree: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            tree = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({err})") from None
+        if not isinstance(tree, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    for item in overrides:
+        key, value = parse_override(item)
+        _set_path(tree, key, value)
+    return _build(PipelineConfig, tree)
+
+
+def config_from_dict(values: dict) -> PipelineConfig:
+    return _build(PipelineConfig, values)
+
+
+def fingerprint(*parts: Any, length: int = 16) -> str:
+    """A stable hash of JSON-able parts (dataclasses included)."""
+    def plain(x):
+        if dataclasses.is_dataclass(x):
+            return dataclasses.asdict(x)
+        if isinstance(x, Path):
+            return str(x)
+        return x
+    blob = json.dumps([plain(p) for p in parts], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:length]
+
+
+def env_home(cfg: PipelineConfig) -> dict[str, str]:
+    """Environment for Ray workers so that they resolve the same home as the driver."""
+    return {"KVPOP_HOME": str(cfg.home_dir()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "RAY_USAGE_STATS_ENABLED": "0", **({"PYTHONPATH": str(REPO_ROOT)} if "PYTHONPATH" not in os.environ
+                                              else {})}

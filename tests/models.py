@@ -1,0 +1,26 @@
+"""Tiny random decoders built in memory (no download): the test matrix of architectures × head layouts."""
+from __future__ import annotations
+
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+def tiny_model(arch: str = "llama", heads: str = "gqa", *, layers: int = 2, vocab: int = 97, seed: int = 0):
+    config_cls, model_cls = ARCHS[arch]
+    q_heads, kv_heads = HEADS[heads]
+    extra = {"head_dim": 16} if arch == "qwen3" else {}
+    if arch == "mistral":
+        extra["sliding_window"] = None
+    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                        num_attention_heads=q_heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
+                        pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra)
+    torch.manual_seed(seed)
+    return model_cls(config).eval()

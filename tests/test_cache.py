@@ -1,0 +1,103 @@
+"""The fixed-budget cache in generate(): constant memory, batching with left padding, sampling."""
+import pytest
+import torch
+
+import kvpop
+from kvpop import Budget
+from tests.models import tiny_model
+
+BUDGET = Budget(2, 6, 5)
+
+
+def left_padded(prompts, pad=0):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("policy", ["kvpop", "streaming", "tova", "h2o"])
+def test_batch_with_left_padding_equals_each_row_alone(policy):
+    model = tiny_model("qwen3", "gqa")
+    kvpop.retrofit(model, BUDGET, scorer="mlstm", policy=policy)
+    prompts = [torch.randint(1, 97, (n,)) for n in (5, 23, 14)]
+    ids, mask = left_padded(prompts)
+    batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
+    for i, prompt in enumerate(prompts):
+        alone = model.generate(input_ids=prompt[None], max_new_tokens=25, do_sample=False)
+        assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(prompt):]), f"row {i} differs"
+
+
+def test_sampling_runs_and_is_reproducible():
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, BUDGET, scorer="mlstm")
+    ids, mask = left_padded([torch.randint(1, 97, (n,)) for n in (7, 12)])
+    torch.manual_seed(3)
+    a = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=20)
+    torch.manual_seed(3)
+    b = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=20, do_sample=True, top_k=20)
+    assert torch.equal(a, b) and a.shape == (2, 32)
+
+
+@pytest.mark.parametrize("scorer", ["mlstm", "mlp"])
+def test_memory_is_constant_and_exact(scorer):
+    model = tiny_model("llama", "gqa", layers=3)
+    kvpop.retrofit(model, BUDGET, scorer=scorer)
+    prompt = torch.randint(1, 97, (2, 30))
+    sizes = []
+    for new_tokens in (64, 512):
+        cache = kvpop.KVpopCache(model)
+        model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       past_key_values=cache)
+        sizes.append(cache.nbytes())
+        assert all(layer.keys.shape[2] == BUDGET.total for layer in cache.layers)
+    assert sizes[0] == sizes[1]
+    rt = model.kvpop_runtime
+    batch, dtype_size = 2, 4
+    assert sizes[0]["kv"] == BUDGET.total * rt.num_layers * rt.num_kv_heads * rt.head_dim * 2 * dtype_size * batch
+    scorer_state = sum(kvpop.scorers(model)[i].state_nbytes(batch) for i in range(rt.num_layers))
+    assert sizes[0]["scorer_state"] == scorer_state
+    # metadata: int64 position + fp32 priority per slot, and one int64 counter per row
+    assert sizes[0]["metadata"] == rt.num_layers * (BUDGET.total * rt.num_kv_heads * batch * 12 + batch * 8)
+
+
+def test_cache_holds_exactly_the_retained_set():
+    """After a prefill the slots hold exactly what the mask retains at the last query, per head."""
+    from kvpop.retention import eviction_positions, retained
+
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, BUDGET, scorer="mlp")
+    ids = torch.randint(1, 97, (1, 40))
+    with kvpop.collect_priorities(model) as prios, torch.no_grad():
+        model(ids, use_cache=False)
+    cache = kvpop.KVpopCache(model)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+    for layer_idx, layer in enumerate(cache.layers):
+        e = eviction_positions(prios[layer_idx].float(), BUDGET)
+        expect = retained(torch.tensor(39), torch.arange(40), e, BUDGET)  # [1, Hkv, 40]
+        for h in range(layer.slot_pos.shape[1]):
+            held = sorted(p for p in layer.slot_pos[0, h].tolist() if p >= 0)
+            assert held == expect[0, h].nonzero().flatten().tolist()
+
+
+def test_dense_policy_keeps_transformers_cache():
+    model = tiny_model("llama", "gqa")
+    ids = torch.randint(1, 97, (1, 10))
+    plain = model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+    kvpop.retrofit(model, None, scorer=None, policy="dense")
+    assert torch.equal(model.generate(input_ids=ids, max_new_tokens=12, do_sample=False), plain)
+    with pytest.raises(ValueError, match="DynamicCache"):
+        kvpop.KVpopCache(model)
+
+
+def test_crop_is_refused():
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, BUDGET, scorer="mlp")
+    cache = kvpop.KVpopCache(model)
+    with torch.no_grad():
+        model(torch.randint(1, 97, (1, 12)), past_key_values=cache, use_cache=True)
+    with pytest.raises(NotImplementedError, match="cropped"):
+        cache.crop(-1)

@@ -1,0 +1,109 @@
+"""retrofit / save / load, and the errors a user sees when something does not fit."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import kvpop
+from kvpop import Budget
+from tests.models import tiny_model
+
+
+def test_save_and_load_round_trip(tmp_path):
+    model = tiny_model("qwen3", "gqa")
+    kvpop.retrofit(model, Budget(2, 6, 9), scorer="mlstm", recency=0.01)
+    with torch.no_grad():
+        for p in kvpop.scorers(model).parameters():
+            p.add_(torch.randn_like(p) * 0.1)  # not the init: the weights must really travel
+    ids = torch.randint(1, 97, (2, 40))
+    with torch.no_grad():
+        before = model(ids, use_cache=False).logits
+    kvpop.save_retrofitted(model, tmp_path / "m")
+    meta = json.loads((tmp_path / "m" / "kvpop.json").read_text())
+    assert meta["budget"] == {"sink": 2, "window": 6, "topk": 9} and meta["scorer"]["name"] == "mlstm"
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert "kvpop" not in json.dumps(config), "the base folder must load without KVpop"
+    loaded, _ = kvpop.load_retrofitted(tmp_path / "m")
+    with torch.no_grad():
+        after = loaded(ids, use_cache=False).logits
+    assert torch.equal(before, after)
+    assert loaded.kvpop_runtime.policy.recency == 0.01
+    # the base weights alone load with plain transformers
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "m", local_files_only=True)
+    assert not any("kvpop" in k for k in base.state_dict())
+
+
+def test_budget_larger_than_context():
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match="more than the model's context of 1024"):
+        kvpop.retrofit(model, Budget(4, 100, 1000), scorer="mlstm")
+
+
+def test_architecture_without_findable_kv_heads():
+    class Weird(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"num_hidden_layers": 2})()
+            self.proj = nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="could not find one self-attention module per layer"):
+        kvpop.retrofit(Weird(), Budget(1, 2, 3), scorer="mlp")
+
+
+def test_mismatched_scorer_checkpoint(tmp_path):
+    small = tiny_model("llama", "gqa")
+    kvpop.retrofit(small, Budget(2, 6, 9), scorer="mlstm")
+    kvpop.save_retrofitted(small, tmp_path / "gqa")
+    other = tiny_model("llama", "mha")
+    kvpop.retrofit(other, Budget(2, 6, 9), scorer="mlstm")
+    with pytest.raises(ValueError, match="trained for .*num_kv_heads.*2.*retrain"):
+        kvpop.load_scorers(other, tmp_path / "gqa")
+    mlp = tiny_model("llama", "gqa")
+    kvpop.retrofit(mlp, Budget(2, 6, 9), scorer="mlp")
+    with pytest.raises(ValueError, match="retrofit with scorer='mlstm'"):
+        kvpop.load_scorers(mlp, tmp_path / "gqa")
+
+
+def test_policy_errors():
+    model = tiny_model("llama", "gqa")
+    with pytest.raises(ValueError, match="unknown policy"):
+        kvpop.retrofit(model, Budget(1, 2, 3), scorer="mlp", policy="nope")
+    with pytest.raises(ValueError, match="needs a scorer"):
+        kvpop.retrofit(model, Budget(1, 2, 3), scorer=None, policy="kvpop")
+    kvpop.retrofit(model, Budget(1, 2, 3), scorer="mlp")
+    with pytest.raises(ValueError, match="already retrofitted"):
+        kvpop.retrofit(model, Budget(1, 2, 3), scorer="mlp")
+    with pytest.raises(ValueError, match="needs scorers trained for it"):
+        kvpop.set_policy(model, "kvpop", Budget(1, 5, 3))
+    with pytest.raises(RuntimeError, match="oracle policy needs the teacher's targets"):
+        kvpop.set_policy(model, "oracle", Budget(1, 2, 3))
+        model(torch.randint(1, 97, (1, 12)), use_cache=False)
+
+
+def test_streaming_takes_the_long_range_slots_as_window():
+    policy = kvpop.build_policy("streaming", Budget(4, 60, 64))
+    assert policy.budget == Budget(4, 124, 0)
+
+
+def test_collect_priorities_carry_grad_to_the_scorers():
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, Budget(2, 4, 6), scorer="mlstm")
+    ids = torch.randint(1, 97, (2, 30))
+    with kvpop.collect_priorities(model) as prios:
+        model(ids, use_cache=False)
+    assert sorted(prios) == [0, 1] and prios[0].shape == (2, 2, 30)
+    sum(p.sum() for p in prios.values()).backward()
+    assert all(p.grad is not None for p in kvpop.scorers(model).parameters())
+    base = [p for n, p in model.named_parameters() if "kvpop_scorer" not in n]
+    assert all(p.grad is None for p in base), "scorer inputs must be detached"
+
+
+def test_padding_in_the_middle_is_refused():
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, Budget(2, 4, 6), scorer="mlp")
+    mask = torch.ones(1, 10, dtype=torch.long)
+    mask[0, 5] = 0
+    with pytest.raises(ValueError, match="contiguous"):
+        model(torch.randint(1, 97, (1, 10)), attention_mask=mask, use_cache=False)
