@@ -1,0 +1,77 @@
+"""The few MLflow calls every stage shares.
+
+The store is sqlite under the KVpop home (``mlflow ui --backend-store-uri sqlite:///…/mlflow.db``). Experiments are
+created by the driver with an absolute artifact location: created inside a Ray worker they would land under
+``/tmp/ray/session_*``, which vanishes (NOTES.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from pipelines.config import PipelineConfig
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{name}."))
+        else:
+            flat[name] = json.dumps(value) if isinstance(value, (list, tuple, dict)) else value
+    return flat
+
+
+def setup(cfg: PipelineConfig) -> str:
+    """Point MLflow at the config's store and make sure the experiment exists; returns its id."""
+    import mlflow
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = cfg.tracking_uri()
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+    if experiment is not None:
+        return experiment.experiment_id
+    artifacts = (cfg.home_dir() / "mlartifacts" / cfg.tracking.experiment).resolve()
+    artifacts.mkdir(parents=True, exist_ok=True)
+    try:
+        return mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts.as_uri())
+    except Exception:  # created concurrently by another process
+        return mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+
+
+@contextlib.contextmanager
+def run(cfg: PipelineConfig, run_name: str, *, stage: str, nested: bool = False, run_id: str | None = None,
+        tags: dict | None = None, log_config: bool = True) -> Iterator[Any]:
+    """An MLflow run for one stage, with the whole config as params (``section.key``) and the stage as a tag.
+
+    ``run_id`` resumes an existing run (a restarted training keeps its metric history in one run).
+    """
+    import mlflow
+
+    experiment_id = setup(cfg)
+    with mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name, experiment_id=experiment_id,
+                          nested=nested, tags={"kvpop.stage": stage, "kvpop.config": cfg.name, **(tags or {})}) as active:
+        if log_config and run_id is None:
+            params = _flatten(cfg.to_dict())
+            items = list(params.items())
+            for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+                mlflow.log_params(dict(items[start:start + 100]))
+        yield active
+
+
+def find_run(cfg: PipelineConfig, run_name: str, stage: str) -> str | None:
+    """The id of the latest run with this name and stage (to resume it), if any."""
+    import mlflow
+
+    experiment_id = setup(cfg)
+    runs = mlflow.search_runs([experiment_id], filter_string=f"tags.mlflow.runName = '{run_name}' and "
+                              f"tags.`kvpop.stage` = '{stage}'", order_by=["start_time DESC"], max_results=1,
+                              output_format="list")
+    return runs[0].info.run_id if runs else None
