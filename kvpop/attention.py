@@ -145,8 +145,7 @@ def slot_attention(query, keys, values, filled, *, scale: float, return_probs: b
     group = hq // hkv
     if not return_probs:
         mask = filled.repeat_interleave(group, dim=1)[:, :, None, :]
-        out = F.scaled_dot_product_attention(query, keys.repeat_interleave(group, dim=1),
-                                             values.repeat_interleave(group, dim=1), attn_mask=mask, scale=scale)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
         return out.transpose(1, 2), None
     q = query.view(bsz, hkv, group, dim).float()
     scores = torch.einsum("bgqd,bgsd->bgqs", q, keys.float()) * scale

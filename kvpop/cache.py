@@ -132,7 +132,8 @@ class KVpopLayer(CacheLayerMixin):
         if self.policy.dynamic:
             prio = self.slot_score.gather(-1, ring[:, None, None].expand(bsz, hkv, 1))[..., 0]
         else:
-            raw, self.scorer_state = self.policy.step(layer, key, value, valid, pos, self.scorer_state)
+            raw, state = self.policy.step(layer, key, value, valid, pos, self.scorer_state)
+            self._keep_state(state)
             prio = self.policy.ranked(raw.float(), leaving[:, None])
         if k > 0:
             self._compete(ring, leaving, prio, valid & (leaving >= s))
@@ -140,7 +141,7 @@ class KVpopLayer(CacheLayerMixin):
         self._write(ring[:, None].expand(bsz, hkv), valid[:, None].expand(bsz, hkv), key, value,
                     pos[:, None].expand(bsz, hkv), torch.full((bsz, hkv), float("-inf"), device=key.device),
                     torch.zeros(bsz, hkv, device=key.device))
-        self.seen = self.seen + valid.long()
+        self.seen += valid.long()
         filled = self.slot_pos >= 0
         out, probs = slot_attention(query, self.keys, self.values, filled, scale=scale,
                                     return_probs=self.policy.dynamic)
@@ -148,7 +149,7 @@ class KVpopLayer(CacheLayerMixin):
             group = probs.shape[1] // hkv
             received = probs.view(bsz, hkv, group, -1).amax(2)  # a token matters if any head of the group needs it
             scores = torch.where(filled, self.policy.observe(self.slot_score, received), 0.0)
-            self.slot_score = torch.where(valid[:, None, None], scores, self.slot_score)
+            self.slot_score.copy_(torch.where(valid[:, None, None], scores, self.slot_score))
         return torch.where(valid[:, None, None, None], torch.nan_to_num(out), 0.0)
 
     def _compete(self, ring, leaving, prio, enters):
@@ -172,21 +173,33 @@ class KVpopLayer(CacheLayerMixin):
         score = self.slot_score.gather(-1, src)[..., 0] if self.policy.dynamic else None
         self._write(s + w + target, accept, moved_k, moved_v, leaving[:, None].expand(bsz, hkv), prio, score)
 
+    def _keep_state(self, state):
+        """Adopt the scorer's new state by copying into the buffers already held (a replayable CUDA graph needs
+        every step to read and write the same memory)."""
+        if self.scorer_state is None or state is None or state.keys() != self.scorer_state.keys():
+            self.scorer_state = state
+            return
+        for name, tensor in state.items():
+            if tensor is not self.scorer_state[name]:
+                self.scorer_state[name].copy_(tensor)
+
     def _write(self, slot, where, key, value, pos, prio, score):
-        """Per (row, head): put one token into ``slot [B, Hkv]`` where ``where [B, Hkv]`` holds."""
+        """Per (row, head): put one token into ``slot [B, Hkv]`` where ``where [B, Hkv]`` holds (in place)."""
         idx = slot[..., None]
 
         def put(store, new):
             ix = idx[..., None].expand(-1, -1, -1, store.shape[-1]) if store.dim() == 4 else idx
             new = new[:, :, None] if store.dim() == 4 else new[..., None]
-            old = store.gather(2 if store.dim() == 4 else -1, ix)
+            old = store.gather(2, ix)
             mask = where[..., None, None] if store.dim() == 4 else where[..., None]
-            return store.scatter(2 if store.dim() == 4 else -1, ix, torch.where(mask, new.to(store.dtype), old))
+            store.scatter_(2, ix, torch.where(mask, new.to(store.dtype), old))
 
-        self.keys, self.values = put(self.keys, key), put(self.values, value)
-        self.slot_pos, self.slot_prio = put(self.slot_pos, pos), put(self.slot_prio, prio)
+        put(self.keys, key)
+        put(self.values, value)
+        put(self.slot_pos, pos)
+        put(self.slot_prio, prio)
         if self.slot_score is not None and score is not None:
-            self.slot_score = put(self.slot_score, score)
+            put(self.slot_score, score)
 
     def _chunk(self, layer, query, key_new, value_new, valid, scale):
         s, w = self.budget.sink, self.budget.window
@@ -202,12 +215,14 @@ class KVpopLayer(CacheLayerMixin):
         new_pos = self.seen[:, None] + arange - leading[:, None]  # [B, C]; padding negative
         new_prio = torch.full((bsz, hkv, chunk), float("-inf"), device=device)
         if bool((self.seen == 0).all()):  # prefill from empty: the whole chunk at once
-            raw, self.scorer_state = self.policy.start(layer, key_new, value_new, valid, new_pos[:, None, :])
+            raw, state = self.policy.start(layer, key_new, value_new, valid, new_pos[:, None, :])
+            self._keep_state(state)
             new_prio = self.policy.ranked(raw.float(), new_pos[:, None, :])
         else:  # a chunk after cached tokens: priorities as the tokens leave the window, one step each
             for i in range(chunk):
-                raw, self.scorer_state = self.policy.step(layer, key_new[:, :, i], value_new[:, :, i], valid[:, i],
-                                                          new_pos[:, i], self.scorer_state)
+                raw, state = self.policy.step(layer, key_new[:, :, i], value_new[:, :, i], valid[:, i],
+                                              new_pos[:, i], self.scorer_state)
+                self._keep_state(state)
                 leaving = new_pos[:, i] - w
                 prio = self.policy.ranked(raw.float(), leaving[:, None])
                 if i >= w:
@@ -216,7 +231,7 @@ class KVpopLayer(CacheLayerMixin):
                     slot = (s + (leaving - s) % w)[:, None, None].expand(bsz, hkv, 1)
                     cur = self.slot_prio.gather(-1, slot)
                     upd = torch.where((leaving >= s)[:, None, None], prio[..., None], cur)
-                    self.slot_prio = self.slot_prio.scatter(-1, slot, upd)
+                    self.slot_prio.scatter_(-1, slot, upd)
         # candidates: every cached slot (sorted by position) and the chunk
         order = self.slot_pos.argsort(-1)
         cand_pos = torch.cat([self.slot_pos.gather(-1, order), new_pos[:, None, :].expand(bsz, hkv, chunk)], -1)
@@ -238,11 +253,11 @@ class KVpopLayer(CacheLayerMixin):
         slot = torch.where(long_range, s + w + long_range.long().cumsum(-1) - 1, slot)
         slots = self.budget.total
         slot = torch.where(keep, slot, slots)  # dropped tokens go to a spare slot that is cut off
-        self.keys = _scatter_slots(cand_k, slot, slots, 0.0)
-        self.values = _scatter_slots(cand_v, slot, slots, 0.0)
-        self.slot_pos = _scatter_slots(cand_pos, slot, slots, -1)
-        self.slot_prio = _scatter_slots(cand_prio, slot, slots, float("-inf"))
-        self.seen = self.seen + count
+        self.keys.copy_(_scatter_slots(cand_k, slot, slots, 0.0))
+        self.values.copy_(_scatter_slots(cand_v, slot, slots, 0.0))
+        self.slot_pos.copy_(_scatter_slots(cand_pos, slot, slots, -1))
+        self.slot_prio.copy_(_scatter_slots(cand_prio, slot, slots, float("-inf")))
+        self.seen += count
         return out
 
 

@@ -24,3 +24,56 @@ def teacher_forced_logits(model, input_ids: torch.Tensor, *, prefill: int = 0, c
         out = model(input_ids=input_ids[:, start:end], attention_mask=mask, past_key_values=cache, use_cache=True)
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
+
+
+class GraphedDecoder:
+    """One decoding step of a retrofitted model, captured once and replayed as a CUDA graph.
+
+    The fixed cache has static shapes and updates its buffers in place, so the whole step — every layer's eviction,
+    scorer step and attention — replays without a Python launch per kernel. Each call is exactly one step: the
+    warm-up that capture needs runs on a snapshot of the cache, which is then restored.
+    """
+
+    def __init__(self, model, cache: KVpopCache, *, warmup: int = 2):
+        self.model, self.cache, self.warmup = model, cache, warmup
+        self.graph = None
+
+    def _tensors(self):
+        for layer in self.cache.layers:
+            for name in layer._batch_tensors():
+                if getattr(layer, name, None) is not None:
+                    yield getattr(layer, name)
+            yield from (layer.scorer_state or {}).values()
+
+    def _forward(self):
+        return self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.cache, use_cache=True).logits
+
+    def _capture(self):
+        snapshot = [t.clone() for t in self._tensors()]
+        columns = [layer.columns for layer in self.cache.layers]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                self._forward()
+        torch.cuda.current_stream().wait_stream(side)
+        for tensor, saved in zip(self._tensors(), snapshot):
+            tensor.copy_(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._forward()
+        for layer, count in zip(self.cache.layers, columns):
+            layer.columns = count
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids``/``position_ids`` ``[B, 1]`` → logits ``[B, 1, V]`` (a fresh tensor)."""
+        if self.graph is None:
+            self.ids, self.pos = input_ids.clone(), position_ids.clone()
+            self._capture()
+        self.ids.copy_(input_ids)
+        self.pos.copy_(position_ids)
+        self.graph.replay()
+        for layer in self.cache.layers:
+            layer.columns += 1
+        return self.logits.clone()
