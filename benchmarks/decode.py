@@ -88,9 +88,12 @@ def run_config(model, policy, length, batch, args, device, bandwidth):
     ids = torch.randint(0, cfg.vocab_size, (batch, length), device=device)
     step_ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=device)
     if device.type == "cuda":
+        import gc
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    row = {"policy": policy, "context": length, "batch": batch}
+    row = {"policy": policy, "context": length, "batch": batch,
+           "baseline_gib": torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else float("nan")}
     _sync(device)
     t0 = time.perf_counter()
     if policy == "dense":
@@ -153,6 +156,8 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="*")
     parser.add_argument("--steps", type=int)
     parser.add_argument("--time-limit", type=float, default=1e9, help="stop starting new configs after this (s)")
+    parser.add_argument("--policies", nargs="*", default=["kvpop", "dense", "streaming"])
+    parser.add_argument("--no-compile", action="store_true", help="graph the uncompiled decoding step")
     args = parser.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     for key in ("lengths", "batches", "steps"):
@@ -172,10 +177,13 @@ def main(argv=None):
     # the configurations that decide the targets first (a time limit may cut the tail); dense runs the stock
     # transformers path (SDPA + DynamicCache) on the same weights by switching the attention implementation back
     kvpop.retrofit(model, kvpop.Budget(*preset["budget"]), scorer="mlstm")
+    model.kvpop_runtime.compile_decode = device.type == "cuda" and not args.no_compile
+    result["compiled_decode_step"] = model.kvpop_runtime.compile_decode
     lengths = sorted(preset["lengths"], key=lambda n: (n != max(preset["lengths"]), n))
     plan = [(p, length, batch) for batch in sorted(preset["batches"]) for length in lengths
-            for p in ("kvpop", "dense")]
-    plan += [("streaming", length, batch) for batch in sorted(preset["batches"]) for length in lengths]
+            for p in ("kvpop", "dense") if p in args.policies]
+    if "streaming" in args.policies:
+        plan += [("streaming", length, batch) for batch in sorted(preset["batches"]) for length in lengths]
     for policy, length, batch in plan:
         model.config._attn_implementation = "sdpa" if policy == "dense" else "kvpop"
         if time.perf_counter() - started > args.time_limit:

@@ -118,7 +118,8 @@ def bench_train_step(p, device, dtype):
 
     def structure():
         evict = eviction_positions(prio, budget)
-        return retention_block_mask(pos, pos[:, None].expand(1, hkv, size).contiguous(), evict, valid, budget, hq)
+        return retention_block_mask(pos, pos[:, None].expand(1, hkv, size).contiguous(), evict, valid, budget, hq,
+                                    contiguous=True)
 
     t_evict, _, _ = timed(lambda: eviction_positions(prio, budget), device, p["reps"])
     t_struct, _, kv_bm = timed(structure, device, p["reps"])

@@ -23,6 +23,11 @@ BLOCK = 128  # FlexAttention's sparse block size
 
 @functools.cache
 def _compiled_flex():
+    # one compiled kernel per shape and mask closure: past dynamo's recompile limit flex silently falls back to its
+    # eager path, which materialises S×S (NOTES.md) — so raise the limit well above what a process needs
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 512))
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -31,6 +36,14 @@ def flex(query, key, value, **kwargs):
     if query.is_cuda:
         return _compiled_flex()(query, key, value, **kwargs)
     return flex_attention(query, key, value, **kwargs)
+
+
+def _contiguous_mask_mod(kv_evict, sink: int, window: int, group: int):
+    """Unpadded whole sequences (training, precompute): positions are indices, one gather per score."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        protected = (kv_idx < sink) | (kv_idx > q_idx - window) | (q_idx < kv_evict[b, h // group, kv_idx])
+        return (kv_idx <= q_idx) & protected
+    return mask_mod
 
 
 def _retention_mask_mod(q_pos, kv_pos, kv_evict, kv_valid, sink: int, window: int, group: int):
@@ -53,7 +66,8 @@ def _block_extent(values: torch.Tensor, fill, reduce: str) -> torch.Tensor:
     return blocks.amax(-1) if reduce == "max" else blocks.amin(-1)
 
 
-def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_heads: int) -> BlockMask:
+def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_heads: int,
+                         contiguous: bool = False) -> BlockMask:
     """A BlockMask whose block structure comes from the retention tensors themselves.
 
     Token ``t`` (not a sink) is visible to the queries ``t <= d < max(e[t], t + window)``; a sink to every
@@ -79,7 +93,10 @@ def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_
     full = all_valid[:, :, None, :] & (kv_last_start[:, :, None, :] <= qf) & (kv_end_min[:, :, None, :] > ql)
     partial = any_visible & ~full
     partial, full = (x.repeat_interleave(group, dim=1) for x in (partial, full))  # per query head
-    mask_mod = _retention_mask_mod(q_pos, kv_pos, kv_evict, kv_valid, budget.sink, budget.window, group)
+    if contiguous:
+        mask_mod = _contiguous_mask_mod(kv_evict, budget.sink, budget.window, group)
+    else:
+        mask_mod = _retention_mask_mod(q_pos, kv_pos, kv_evict, kv_valid, budget.sink, budget.window, group)
     return BlockMask.from_kv_blocks(
         *_to_indices(partial), *_to_indices(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
         seq_lengths=(q_pos.shape[-1], kv_pos.shape[-1]))
@@ -111,7 +128,10 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
         return _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale)
     if backend != "flex":
         raise ValueError(f"backend must be 'auto', 'flex' or 'chunked', got {backend!r}")
-    block_mask = retention_block_mask(q_pos.contiguous(), kv_pos, kv_evict, kv_valid, budget, hq)
+    arange = torch.arange(q_pos.shape[-1], device=q_pos.device)
+    contiguous = query.shape[2] == key.shape[2] and bool(kv_valid.all()) and bool((q_pos == arange).all()) \
+        and bool((kv_pos == arange).all())
+    block_mask = retention_block_mask(q_pos.contiguous(), kv_pos, kv_evict, kv_valid, budget, hq, contiguous)
     out = flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv)
     return out.transpose(1, 2).contiguous()
 

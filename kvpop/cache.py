@@ -18,6 +18,8 @@ O(window) state. ``KVpopCache.nbytes()`` itemises it.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -124,54 +126,15 @@ class KVpopLayer(CacheLayerMixin):
         return torch.cat(outs, dim=1)
 
     def _step(self, layer, query, key, value, valid, scale):
-        s, w, k = self.budget.sink, self.budget.window, self.budget.topk
-        bsz, hkv, dim = key.shape
-        pos = self.seen.clone()  # [B] position of the new token
-        ring = torch.where(pos < s, pos, s + (pos - s) % w)  # its slot; also where token pos - w sits
-        leaving = pos - w
         if self.policy.dynamic:
-            prio = self.slot_score.gather(-1, ring[:, None, None].expand(bsz, hkv, 1))[..., 0]
-        else:
-            raw, state = self.policy.step(layer, key, value, valid, pos, self.scorer_state)
-            self._keep_state(state)
-            prio = self.policy.ranked(raw.float(), leaving[:, None])
-        if k > 0:
-            self._compete(ring, leaving, prio, valid & (leaving >= s))
-        # the new token takes its slot (rows that are padding here keep everything as it was)
-        self._write(ring[:, None].expand(bsz, hkv), valid[:, None].expand(bsz, hkv), key, value,
-                    pos[:, None].expand(bsz, hkv), torch.full((bsz, hkv), float("-inf"), device=key.device),
-                    torch.zeros(bsz, hkv, device=key.device))
-        self.seen += valid.long()
-        filled = self.slot_pos >= 0
-        out, probs = slot_attention(query, self.keys, self.values, filled, scale=scale,
-                                    return_probs=self.policy.dynamic)
-        if self.policy.dynamic:
-            group = probs.shape[1] // hkv
-            received = probs.view(bsz, hkv, group, -1).amax(2)  # a token matters if any head of the group needs it
-            scores = torch.where(filled, self.policy.observe(self.slot_score, received), 0.0)
-            self.slot_score.copy_(torch.where(valid[:, None, None], scores, self.slot_score))
-        return torch.where(valid[:, None, None, None], torch.nan_to_num(out), 0.0)
-
-    def _compete(self, ring, leaving, prio, enters):
-        """The token leaving the window (now in slot ``ring``) takes the weakest long-range slot if it beats it."""
-        s, w = self.budget.sink, self.budget.window
-        bsz, hkv, _ = self.slot_pos.shape
-        region = slice(s + w, None)
-        pos_r = self.slot_pos[..., region]
-        prio_r = (self.slot_score if self.policy.dynamic else self.slot_prio)[..., region]
-        empty = pos_r < 0
-        has_empty = empty.any(-1)
-        weakest_prio = prio_r.masked_fill(empty, float("inf")).amin(-1)
-        is_weakest = (prio_r == weakest_prio[..., None]) & ~empty
-        big = torch.iinfo(torch.long).max
-        weakest = torch.where(is_weakest, pos_r, big).argmin(-1)  # among equal priorities the oldest goes
-        target = torch.where(has_empty, empty.long().argmax(-1), weakest)
-        accept = enters[:, None] & (has_empty | (prio >= weakest_prio))  # ties: the newer (leaving) token wins
-        src = ring[:, None, None].expand(bsz, hkv, 1)
-        moved_k = self.keys.gather(2, src[..., None].expand(-1, -1, -1, self.keys.shape[-1]))[:, :, 0]
-        moved_v = self.values.gather(2, src[..., None].expand(-1, -1, -1, self.values.shape[-1]))[:, :, 0]
-        score = self.slot_score.gather(-1, src)[..., 0] if self.policy.dynamic else None
-        self._write(s + w + target, accept, moved_k, moved_v, leaving[:, None].expand(bsz, hkv), prio, score)
+            return _dynamic_step(self, query, key, value, valid, scale)
+        w = self.budget.window
+        raw, state = _policy_step(self.policy, self.runtime)(layer, key, value, valid, self.seen, self.scorer_state)
+        self._keep_state(state)
+        prio = self.policy.ranked(raw.float(), (self.seen - w)[:, None])
+        step = _compiled_static_step() if self.runtime.compile_decode else static_slot_step
+        return step(self.keys, self.values, self.slot_pos, self.slot_prio, self.seen, query, key, value, prio, valid,
+                    self.budget.sink, w, self.budget.topk, scale)
 
     def _keep_state(self, state):
         """Adopt the scorer's new state by copying into the buffers already held (a replayable CUDA graph needs
@@ -182,24 +145,6 @@ class KVpopLayer(CacheLayerMixin):
         for name, tensor in state.items():
             if tensor is not self.scorer_state[name]:
                 self.scorer_state[name].copy_(tensor)
-
-    def _write(self, slot, where, key, value, pos, prio, score):
-        """Per (row, head): put one token into ``slot [B, Hkv]`` where ``where [B, Hkv]`` holds (in place)."""
-        idx = slot[..., None]
-
-        def put(store, new):
-            ix = idx[..., None].expand(-1, -1, -1, store.shape[-1]) if store.dim() == 4 else idx
-            new = new[:, :, None] if store.dim() == 4 else new[..., None]
-            old = store.gather(2, ix)
-            mask = where[..., None, None] if store.dim() == 4 else where[..., None]
-            store.scatter_(2, ix, torch.where(mask, new.to(store.dtype), old))
-
-        put(self.keys, key)
-        put(self.values, value)
-        put(self.slot_pos, pos)
-        put(self.slot_prio, prio)
-        if self.slot_score is not None and score is not None:
-            put(self.slot_score, score)
 
     def _chunk(self, layer, query, key_new, value_new, valid, scale):
         s, w = self.budget.sink, self.budget.window
@@ -267,6 +212,114 @@ def _scatter_slots(values: torch.Tensor, slot: torch.Tensor, slots: int, fill) -
     out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
     index = slot if values.dim() == 3 else slot[..., None].expand_as(values)
     return out.scatter(2, index, values)[:, :, :slots]
+
+
+# -----------------------------------------------------------------------------
+# one decoding step on the slot tensors (pure functions of tensors: compilable, CUDA-graph friendly, in place)
+
+
+def _put(store, slot, where, new):
+    """Per (row, head): ``store[b, h, slot[b, h]] = new[b, h]`` where ``where[b, h]`` holds, in place."""
+    idx = slot[..., None]
+    if store.dim() == 4:
+        idx, new, where = idx[..., None].expand(-1, -1, -1, store.shape[-1]), new[:, :, None], where[..., None, None]
+    else:
+        new, where = new[..., None], where[..., None]
+    store.scatter_(2, idx, torch.where(where, new.to(store.dtype), store.gather(2, idx)))
+
+
+def _compete(keys, values, slot_pos, slot_prio, slot_score, ring, leaving, prio, enters, sink, window):
+    """The token leaving the window (now in slot ``ring``) takes the weakest long-range slot if it beats it.
+
+    Weakest = lowest priority, the oldest among equals; a tie with the leaving token goes to it (the newer).
+    ``slot_prio`` holds what is ranked (static priorities, or a dynamic policy's scores); ``slot_score`` (dynamic
+    policies) travels with the token.
+    """
+    bsz, hkv, _ = slot_pos.shape
+    pos_r = slot_pos[..., sink + window:]
+    prio_r = slot_prio[..., sink + window:]
+    empty = pos_r < 0
+    has_empty = empty.any(-1)
+    weakest_prio = prio_r.masked_fill(empty, float("inf")).amin(-1)
+    is_weakest = (prio_r == weakest_prio[..., None]) & ~empty
+    weakest = torch.where(is_weakest, pos_r, torch.iinfo(torch.long).max).argmin(-1)
+    target = sink + window + torch.where(has_empty, empty.long().argmax(-1), weakest)
+    accept = enters[:, None] & (has_empty | (prio >= weakest_prio))
+    src = ring[:, None, None].expand(bsz, hkv, 1)
+    moved_k = keys.gather(2, src[..., None].expand(-1, -1, -1, keys.shape[-1]))[:, :, 0]
+    moved_v = values.gather(2, src[..., None].expand(-1, -1, -1, values.shape[-1]))[:, :, 0]
+    _put(keys, target, accept, moved_k)
+    _put(values, target, accept, moved_v)
+    _put(slot_pos, target, accept, leaving[:, None].expand(bsz, hkv))
+    if slot_score is not None:
+        _put(slot_score, target, accept, slot_score.gather(-1, src)[..., 0])
+    else:
+        _put(slot_prio, target, accept, prio)
+
+
+def _insert(keys, values, slot_pos, slot_prio, slot_score, seen, ring, key, value, valid):
+    """The new token takes its ring (or sink) slot; rows that are padding here keep everything as it was."""
+    bsz, hkv, _ = key.shape
+    where = valid[:, None].expand(bsz, hkv)
+    slot = ring[:, None].expand(bsz, hkv)
+    _put(keys, slot, where, key)
+    _put(values, slot, where, value)
+    _put(slot_pos, slot, where, seen[:, None].expand(bsz, hkv))
+    _put(slot_prio, slot, where, torch.full((bsz, hkv), float("-inf"), device=key.device))
+    if slot_score is not None:
+        _put(slot_score, slot, where, torch.zeros(bsz, hkv, device=key.device))
+    seen += valid.long()
+
+
+def static_slot_step(keys, values, slot_pos, slot_prio, seen, query, key, value, prio, valid, sink: int, window: int,
+                     topk: int, scale: float):
+    """A static policy's decoding step: ``prio`` is the ranked priority of the token leaving the window."""
+    pos = seen.clone()
+    ring = torch.where(pos < sink, pos, sink + (pos - sink) % window)  # the new token's slot = the leaving token's
+    leaving = pos - window
+    if topk > 0:
+        _compete(keys, values, slot_pos, slot_prio, None, ring, leaving, prio, valid & (leaving >= sink), sink, window)
+    _insert(keys, values, slot_pos, slot_prio, None, seen, ring, key, value, valid)
+    out, _ = slot_attention(query, keys, values, slot_pos >= 0, scale=scale)
+    return torch.where(valid[:, None, None, None], torch.nan_to_num(out), 0.0)
+
+
+def _dynamic_step(layer, query, key, value, valid, scale):
+    """TOVA / H2O: the leaving token and the long-range slots compete on the attention they have received."""
+    s, w, k = layer.budget.sink, layer.budget.window, layer.budget.topk
+    bsz, hkv, _ = key.shape
+    pos = layer.seen.clone()
+    ring = torch.where(pos < s, pos, s + (pos - s) % w)
+    leaving = pos - w
+    prio = layer.slot_score.gather(-1, ring[:, None, None].expand(bsz, hkv, 1))[..., 0]
+    if k > 0:
+        _compete(layer.keys, layer.values, layer.slot_pos, layer.slot_score, layer.slot_score, ring, leaving, prio,
+                 valid & (leaving >= s), s, w)
+    _insert(layer.keys, layer.values, layer.slot_pos, layer.slot_prio, layer.slot_score, layer.seen, ring, key, value,
+            valid)
+    filled = layer.slot_pos >= 0
+    out, probs = slot_attention(query, layer.keys, layer.values, filled, scale=scale, return_probs=True)
+    received = probs.view(bsz, hkv, probs.shape[1] // hkv, -1).amax(2)  # needed if any head of the group needs it
+    scores = torch.where(filled, layer.policy.observe(layer.slot_score, received), 0.0)
+    layer.slot_score.copy_(torch.where(valid[:, None, None], scores, layer.slot_score))
+    return torch.where(valid[:, None, None, None], torch.nan_to_num(out), 0.0)
+
+
+@functools.cache
+def _compiled_static_step():
+    return torch.compile(static_slot_step, dynamic=False)
+
+
+def _policy_step(policy, runtime):
+    """The policy's step; compiled (once per policy class) when the runtime asks for compiled decoding."""
+    if not runtime.compile_decode:
+        return policy.step
+    return _compiled_policy_step(type(policy)).__get__(policy)
+
+
+@functools.cache
+def _compiled_policy_step(policy_cls):
+    return torch.compile(policy_cls.step, dynamic=False)
 
 
 class KVpopCache(Cache):

@@ -48,6 +48,7 @@ class Runtime:
     oracle: torch.Tensor | None = None  # [layers, B, Hkv, S] teacher targets for the oracle policy
     collected: dict | None = None  # layer -> ranked priorities (with grad) of the last forward
     pending: dict = field(default_factory=dict)  # layer -> cache layer whose update awaits its attention call
+    compile_decode: bool = False  # torch.compile the per-layer decoding step (fuses ~100 small kernels per layer)
 
 
 def _register() -> None:

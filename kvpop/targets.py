@@ -150,8 +150,16 @@ def future_attention_targets(
             return score - lse[bi, hi, d]
 
         block_mask = _future_block_mask(size, window, str(q.device))
-        dummy_values = torch.zeros_like(q)
-        log_mass = _flex_with_lse(keys_as_queries, q, dummy_values, subtract_forward_lse, block_mask, scale).float()
+        log_mass = None
+        if q.is_cuda:  # only the LSE is wanted: a narrow dummy value makes the P·V half of the kernel ~free
+            try:
+                log_mass = _flex_with_lse(keys_as_queries, q, q.new_zeros(b, hq, size, 16), subtract_forward_lse,
+                                          block_mask, scale).float()
+            except Exception:  # a FlexAttention build without separate value head dims
+                log_mass = None
+        if log_mass is None:
+            log_mass = _flex_with_lse(keys_as_queries, q, torch.zeros_like(q), subtract_forward_lse, block_mask,
+                                      scale).float()
     else:
         log_mass = _future_log_mass_chunked(q, k, window, lse, scale, group)
     pos = torch.arange(size, device=q.device)

@@ -72,3 +72,20 @@ def test_backends_match_a_dense_reference(backend):
     assert out.shape == (bsz, size, hq, dim)
     assert (out - ref).abs().max() < 1e-5
     assert out[1, :9].abs().max() == 0  # padding queries see nothing
+
+
+def test_contiguous_flex_path_matches_chunked():
+    """Unpadded whole sequences take the one-gather mask_mod; it must agree with the general mask."""
+    from kvpop.attention import retention_attention
+
+    torch.manual_seed(1)
+    bsz, hq, hkv, size, dim = 2, 4, 2, 90, 16
+    budget = Budget(3, 6, 9)
+    positions = torch.arange(size).expand(bsz, size)
+    evict = eviction_positions(torch.randn(bsz, hkv, size), budget)
+    q, k, v = torch.randn(bsz, hq, size, dim), torch.randn(bsz, hkv, size, dim), torch.randn(bsz, hkv, size, dim)
+    kw = dict(q_pos=positions, kv_pos=positions[:, None], kv_evict=evict,
+              kv_valid=torch.ones(bsz, 1, size, dtype=torch.bool), budget=budget, scale=0.25)
+    flex_out = retention_attention(q, k, v, backend="flex", **kw)
+    chunked = retention_attention(q, k, v, backend="chunked", **kw)
+    assert (flex_out - chunked).abs().max() < 1e-5

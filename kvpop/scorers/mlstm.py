@@ -192,7 +192,9 @@ class MLSTMScorer(Scorer):
                 own, new_state["own_ring"] = ring_swap(state["own_ring"], pos, own)
 
             flat = lambda t: t.reshape(B, H * NH, *t.shape[3:]).contiguous()
-            h, (c, n, m) = self._backend(key.device).step_kernel_fn(
+            # under torch.compile the native (pure torch) step kernel fuses with everything around it
+            device = torch.device("cpu") if torch.compiler.is_compiling() else key.device
+            h, (c, n, m) = self._backend(device).step_kernel_fn(
                 q=flat(q), k=flat(k), v=flat(v), i=flat(i)[..., None], f=flat(f)[..., None],
                 c=flat(state["c"]), n=flat(state["n"]), m=flat(state["m"])[..., None],
                 eps=self.config.eps, dtype_state=torch.float32)
