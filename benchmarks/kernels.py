@@ -21,7 +21,7 @@ import torch
 from kvpop import Budget
 
 PRESETS = {
-    "h200": dict(dtype="bfloat16", heads=(16, 8), head_dim=128, target_lengths=[4096, 16384, 65536],
+    "h200": dict(dtype="bfloat16", heads=(16, 8), head_dim=128, target_lengths=[16384, 65536],
                  train_length=16384, budget=(4, 128, 1916), reps=5, precompute_length=8192, precompute_batch=1,
                  check_length=2048),
     "cpu-tiny": dict(dtype="float32", heads=(4, 2), head_dim=16, target_lengths=[256], train_length=256,

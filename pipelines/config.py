@@ -41,8 +41,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "champ"  # "champ" (packaged math transcripts), a local dataset folder / .jsonl / .parquet, or a hub name
+    source: str = "champ"  # "champ" (packaged math transcripts), "stdlib" (CPython's .py sources), a local dataset
+    #                        folder / .jsonl / .parquet, or a hub name (see pipelines/data.py)
     text_field: str = "text"
+    id_field: str = ""  # column holding a stable document id; "" = the row number (champ: problem/transcript)
     split: str = "train"
     seq_len: int = 512
     num_sequences: int = 32  # training sequences
@@ -68,8 +70,9 @@ class PrecomputeConfig:
     group_reduce: str = "max"
     sequences_per_shard: int = 4
     batch_size: int = 1
-    num_actors: int = 1
-    num_gpus_per_actor: float = 0.0
+    num_actors: int = 1  # teacher actors in the Ray Data actor pool
+    num_gpus_per_actor: float = 0.0  # > 0: the teacher runs on CUDA (GPU clusters); 0: on CPU
+    num_cpus_per_actor: float = 2.0  # Ray CPUs per teacher actor; also its torch thread count
     output_root: str = ""  # default: $KVPOP_HOME/targets
 
 
@@ -77,7 +80,7 @@ class PrecomputeConfig:
 class TrainConfig:
     scorer: str = "mlstm"
     scorer_options: dict = field(default_factory=dict)
-    mode: str = "scorer_only"  # scorer_only | distill
+    mode: str = "scorer_only"  # scorer_only (base frozen) | distill (base trains too, at base_lr)
     beta: float = 1.0  # L = KL + beta * L_ret
     tau: float = 1.0
     recency: float = 0.0
@@ -85,11 +88,18 @@ class TrainConfig:
     lr: float = 3e-3
     base_lr: float = 1e-5  # for the base model in distill mode
     steps: int = 40
-    batch_size: int = 2
+    batch_size: int = 2  # sequences per worker per step
     num_workers: int = 1
     use_gpu: bool = False
-    checkpoint_every: int = 10
-    max_failures: int = 1
+    cpus_per_worker: float = 2.0  # Ray CPUs per training worker (its torch threads); logical CPUs, see ray.num_cpus
+    strategy: str = "auto"  # auto | fsdp | none; auto = FSDP2 (fully_shard per decoder layer) on GPUs or >1 worker
+    precision: str = "auto"  # auto | fp32 | bf16; auto = bf16 compute on GPUs (fp32 master weights), fp32 on CPU
+    grad_clip: float = 1.0  # max global grad norm; 0 = off
+    checkpoint_every: int = 10  # steps between torch.distributed.checkpoint saves (and the last step)
+    max_failures: int = 1  # Ray Train FailureConfig: worker-group restarts from the last checkpoint
+    log_every: int = 1  # steps between MLflow metric points / progress lines
+    targets: str = ""  # a precomputed target directory; default: the precompute stage's output for this config
+    fail_at_step: int = 0  # fault injection for drills/tests: raise once per run at this step (0 = never)
     run_name: str = ""  # default: derived from the config hash, so a restart resumes
     output_root: str = ""  # default: $KVPOP_HOME/runs
 
@@ -181,6 +191,10 @@ def _validate(cfg: PipelineConfig) -> None:
         (cfg.precompute.sequences_per_shard >= 1, "precompute.sequences_per_shard must be >= 1"),
         (cfg.train.mode in ("scorer_only", "distill"), "train.mode must be scorer_only or distill"),
         (cfg.train.loss_weight in ("none", "margin"), "train.loss_weight must be none or margin"),
+        (cfg.train.strategy in ("auto", "fsdp", "none"), "train.strategy must be auto, fsdp or none"),
+        (cfg.train.precision in ("auto", "fp32", "bf16"), "train.precision must be auto, fp32 or bf16"),
+        (cfg.train.num_workers >= 1 and cfg.train.checkpoint_every >= 1 and cfg.train.log_every >= 1,
+         "train.num_workers, train.checkpoint_every and train.log_every must be >= 1"),
         (cfg.train.steps >= 1 and cfg.train.batch_size >= 1, "train.steps and train.batch_size must be >= 1"),
         (cfg.train.tau > 0 and cfg.train.lr > 0, "train.tau and train.lr must be > 0"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype must be float32, bfloat16 or float16"),

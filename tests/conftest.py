@@ -12,6 +12,10 @@ os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 os.environ["RAY_DATA_DISABLE_PROGRESS_BARS"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
+# Local clusters without token auth, so that a second driver (a subprocess in a test) can join the session's cluster.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+# A stuck Ray Data pipeline fails the test instead of hanging it.
+os.environ.setdefault("RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S", "300")
 
 import random  # noqa: E402
 
@@ -65,3 +69,46 @@ def smollm2(smollm2_dir):
     from kvpop.pretrained import load_pretrained
 
     return load_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """ONE local Ray cluster for the whole test session (starting one costs 5–8 s and ~1 GiB here).
+
+    4 logical CPUs on the 2-core box on purpose (NOTES.md: Train workers + Ray Data deadlock at num_cpus=2).
+    Yields the GCS address, which subprocess drivers pass as ``RAY_ADDRESS`` to join the same cluster.
+    """
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4)
+    yield ray.get_runtime_context().gcs_address
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_setup(tmp_path_factory, smollm2_dir):
+    """A folder with ``teacher/`` and ``other_teacher/`` (tiny random Llamas, 2 layers, 4 query / 2 KV heads, with
+    SmolLM2's tokenizer) and ``docs.jsonl`` (40 random-word documents): the pipeline tests' inputs."""
+    from transformers import AutoTokenizer
+
+    from tests.models import save_tiny_teacher, write_docs
+
+    root = tmp_path_factory.mktemp("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+    save_tiny_teacher(root / "teacher", tokenizer)
+    save_tiny_teacher(root / "other_teacher", tokenizer, seed=1)
+    write_docs(root / "docs.jsonl", 40)
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_targets(tiny_setup, tmp_path_factory, ray_cluster):
+    """One uninterrupted precompute run of ``tests.pipeline_helpers.tiny_config``: ``(config, result)``."""
+    from pipelines import precompute
+    from tests.pipeline_helpers import tiny_config
+
+    cfg = tiny_config(tiny_setup, tmp_path_factory.mktemp("home"))
+    return cfg, precompute.run(cfg)

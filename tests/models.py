@@ -24,3 +24,27 @@ def tiny_model(arch: str = "llama", heads: str = "gqa", *, layers: int = 2, voca
                         pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra)
     torch.manual_seed(seed)
     return model_cls(config).eval()
+
+
+def save_tiny_teacher(path, tokenizer, *, arch: str = "llama", heads: str = "gqa", layers: int = 2, seed: int = 0):
+    """A tiny random decoder saved as a plain HF folder with ``tokenizer`` (its vocab sized to the tokenizer)."""
+    model = tiny_model(arch, heads, layers=layers, vocab=len(tokenizer), seed=seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_docs(path, count: int = 40, *, seed: int = 0, min_words: int = 20, max_words: int = 80) -> list[dict]:
+    """A small jsonl corpus of random-word documents with ids ``d0``, ``d1``, …; returns the rows."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = ("the cat sat on a mat while seven dogs ran past quickly and nobody noticed any of it at all "
+             "one two three four five six").split()
+    rows = [{"doc": f"d{i}", "text": " ".join(rng.choice(words) for _ in range(rng.randint(min_words, max_words)))}
+            for i in range(count)]
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return rows
