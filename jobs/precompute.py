@@ -1,0 +1,17 @@
+"""``python -m jobs.precompute [--config configs/X.yaml] [--set k=v ...]``: teacher targets → Parquet shards.
+
+Re-running skips committed shards; a killed run resumes. Prints where the shards are.
+"""
+import sys
+
+from jobs._cli import main
+from pipelines import precompute
+
+
+def body(cfg):
+    result = precompute.run(cfg)
+    print(f"targets: {result.path} ({result.shards} shards, {result.computed} computed now)")
+
+
+if __name__ == "__main__":
+    sys.exit(main("precompute", __doc__, body))

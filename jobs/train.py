@@ -1,0 +1,17 @@
+"""``python -m jobs.train [--config …] [--set k=v …]``: Ray Train (FSDP2 on GPUs) on the precomputed shards.
+
+A restarted run with the same config resumes from its last checkpoint. Prints the model folder and MLflow run.
+"""
+import sys
+
+from jobs._cli import main
+from pipelines import train
+
+
+def body(cfg):
+    result = train.run(cfg)
+    print(f"model: {result.model_dir}\nmlflow run: {result.mlflow_run_id}")
+
+
+if __name__ == "__main__":
+    sys.exit(main("train", __doc__, body))
