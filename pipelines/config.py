@@ -47,7 +47,7 @@ class DataConfig:
     id_field: str = ""  # column holding a stable document id; "" = the row number (champ: problem/transcript)
     split: str = "train"
     seq_len: int = 512
-    num_sequences: int = 32  # training sequences
+    num_sequences: int = 16  # training sequences (SmolLM2 teacher on 2 busy CPU cores: ~4 s per 512-token sequence)
     eval_sequences: int = 4  # held-out sequences (disjoint documents)
     packing: bool = True  # concatenate documents with EOS and cut into seq_len pieces; else truncate/drop short docs
     seed: int = 0
@@ -87,7 +87,7 @@ class TrainConfig:
     loss_weight: str = "none"  # none | margin
     lr: float = 3e-3
     base_lr: float = 1e-5  # for the base model in distill mode
-    steps: int = 40
+    steps: int = 30  # SmolLM2, S=512, batch 2, mlstm scorer-only: ~4.6 s a step on 2 busy CPU cores
     batch_size: int = 2  # sequences per worker per step
     num_workers: int = 1
     use_gpu: bool = False
@@ -121,10 +121,13 @@ class EvalConfig:
     budgets: tuple[int, ...] = ()  # total budgets B; empty: the training budget only
     compression_ratios: tuple[float, ...] = ()  # alternatively CR = 1 - B / seq_len
     tasks: tuple[str, ...] = ("kv_retrieval", "variable_tracking", "arithmetic")
-    task_samples: int = 4
-    task_context: int = 384
-    max_new_tokens: int = 8
+    task_samples: int = 4  # per task
+    task_context: int = 384  # prompt length in tokens (the needle sits ~300 tokens back at 384)
+    max_new_tokens: int = 12  # greedy; the arithmetic answer " 4 + 9 = 13" takes 9 tokens
     checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
+    batch_size: int = 4  # held-out sequences per teacher-forced forward
+    generation_batch_size: int = 12  # task prompts per generate() call (left-padded)
+    dynamic_sequences: int = 0  # TOVA/H2O teacher-forced on the first N held-out sequences only; 0 = all
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,30 @@ def _validate(cfg: PipelineConfig) -> None:
     for ratio in cfg.eval.compression_ratios:
         if not 0 <= ratio < 1:
             raise ConfigError(f"eval.compression_ratios: {ratio} is not in [0, 1)")
+    _validate_eval(cfg.eval)
+
+
+def _validate_eval(ev: "EvalConfig") -> None:
+    from kvpop.policies import POLICIES
+    from pipelines.tasks import TASKS
+
+    for name in ev.policies:
+        if name not in POLICIES:
+            raise ConfigError(f"eval.policies: unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    for name in ev.tasks:
+        if name not in TASKS:
+            raise ConfigError(f"eval.tasks: unknown task {name!r}; known: {', '.join(TASKS)}")
+    checks = [
+        (ev.batch_size >= 1 and ev.generation_batch_size >= 1, "eval.batch_size and eval.generation_batch_size "
+                                                               "must be >= 1"),
+        (ev.dynamic_sequences >= 0, "eval.dynamic_sequences must be >= 0 (0 = all held-out sequences)"),
+        (ev.task_samples >= 0, "eval.task_samples must be >= 0 (0 = no free-generation tasks)"),
+        (ev.task_context >= 64, "eval.task_context must be >= 64 tokens"),
+        (ev.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
 
 
 # -----------------------------------------------------------------------------

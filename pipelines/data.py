@@ -1,0 +1,316 @@
+"""Text → the model's tokenizer → fixed-length sequences of ``data.seq_len`` tokens with stable ids.
+
+Sources (``data.source``):
+
+* ``"champ"`` — the packaged CHAMP math corpus (``champ-dataset``): 270 problems × 72 model-written solution
+  transcripts; each transcript is one document (``"<role>: <text>"`` paragraphs), id ``"<problem>/<transcript>"``.
+* ``"stdlib"`` — the CPython standard library's ``.py`` sources of the running interpreter (on every machine, no
+  download; long documents, handy for long-context throughput runs), id = the file's relative path.
+* a local path: a folder written by ``datasets``' ``save_to_disk`` (a ``DatasetDict`` uses ``data.split``), a
+  ``.jsonl`` / ``.json`` / ``.parquet`` file, or a folder of such files.
+* anything else is taken as a Hugging Face hub dataset name (``load_dataset(name, split=data.split)``); it is only
+  tried when the source is not a local path and fails with a clear message when the hub is unreachable.
+
+Documents carry the text in ``data.text_field`` and, optionally, an id in ``data.id_field`` (default: the row
+number). **Held-out split by document:** the documents are shuffled once with ``data.seed``; evaluation sequences are
+cut from documents taken from the *end* of that order, training sequences from the *front*, and the two never share a
+document (a :class:`ConfigError` says so when the corpus is too small for both). Because each split only ever takes
+documents from its own end, training sequence ``i`` does not change when ``eval_sequences`` changes and vice versa.
+
+**Packing** (``data.packing: true``, default): documents are tokenized without special tokens, joined with the EOS
+token, and cut into consecutive pieces of ``seq_len`` tokens (a document may span two sequences; the last incomplete
+piece is dropped). **Truncation** (``packing: false``): each document with at least ``seq_len`` tokens gives its first
+``seq_len`` tokens; shorter documents are skipped.
+
+Each sequence is ``{"id": "<split>-<index:06d>", "input_ids": [...], "docs": [document ids it contains]}``. The result
+is cached under ``$KVPOP_HOME/data/sequences/<hash>/`` where the hash covers the source's content identity (package
+version, file digests, or hub name), the tokenizer, every data setting and the format version; ``meta.json`` is
+written last and marks a complete cache.
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+import uuid
+from importlib import metadata
+from pathlib import Path
+from typing import Iterable, Iterator
+
+from pipelines.config import ConfigError, PipelineConfig, fingerprint
+from pipelines.identity import atomic_write_text, file_digest, folder_digest, tokenizer_digest
+
+SPLITS = ("train", "eval")
+DATA_FORMAT_VERSION = 1
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
+TOKENIZE_CHUNK = 64
+
+
+# ----------------------------------------------------------------------------------------------- sources
+BUILTIN_SOURCES = ("champ", "stdlib")
+
+
+def is_local_source(source: str) -> bool:
+    """A path (existing, or spelled like one) rather than a hub dataset name."""
+    if source in BUILTIN_SOURCES:
+        return False
+    path = Path(source).expanduser()
+    return path.exists() or source.startswith(("/", ".", "~")) or source.endswith(LOCAL_SUFFIXES)
+
+
+def source_identity(cfg: PipelineConfig) -> dict:
+    """What the source's documents are, cheaply: a package version, file digests, or the hub name."""
+    source = cfg.data.source
+    if source == "champ":
+        return {"kind": "champ", "package": "champ-dataset", "version": metadata.version("champ-dataset"),
+                "subset": "v0"}
+    if source == "stdlib":
+        import sys
+
+        return {"kind": "stdlib", "python": sys.version.split()[0], "implementation": sys.implementation.name}
+    if is_local_source(source):
+        path = Path(source).expanduser().resolve()
+        if not path.exists():
+            raise ConfigError(f"data.source {source!r} does not exist: give a local dataset folder, a .jsonl/.parquet "
+                              f"file, 'champ', or a hub dataset name")
+        if path.is_file():
+            return {"kind": "file", "name": path.name, "sha256": file_digest(path, cfg.home_dir())}
+        return {"kind": "dir", "name": path.name, "sha256": folder_digest(path, cfg.home_dir())}
+    return {"kind": "hub", "name": source, "split": cfg.data.split}
+
+
+def _champ_documents() -> list[tuple[str, str]]:
+    import champ_dataset
+
+    docs = []
+    for problem_id, problem in champ_dataset.load("v0").problems.items():
+        for key, conversation in problem.conversations.items():
+            parts = []
+            for message in conversation.messages:
+                role = "Assistant" if message.role.startswith("Model") else message.role
+                parts.append(f"{role}: {message.text}")
+            docs.append((f"{problem_id}/{key}", "\n\n".join(parts)))
+    return docs
+
+
+def _stdlib_documents() -> list[tuple[str, str]]:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if rel.parts[0] in ("site-packages", "dist-packages") or "test" in rel.parts or "tests" in rel.parts:
+            continue
+        try:
+            docs.append((str(rel), path.read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError):
+            continue
+    return docs
+
+
+def _load_local(path: Path, cfg: PipelineConfig):
+    import datasets
+
+    cache_dir = str(cfg.home_dir() / "cache" / "hf-datasets")
+    if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
+                          or (path / "state.json").is_file()):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if cfg.data.split not in loaded:
+                raise ConfigError(f"data.source {path} has splits {sorted(loaded)}, not data.split="
+                                  f"{cfg.data.split!r}")
+            loaded = loaded[cfg.data.split]
+        return loaded
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.name.endswith(LOCAL_SUFFIXES))
+    if not files:
+        raise ConfigError(f"data.source {path} holds no dataset: expected a save_to_disk folder or "
+                          f"{'/'.join(LOCAL_SUFFIXES)} files")
+    kinds = {"parquet" if f.suffix == ".parquet" else "json" for f in files}
+    if len(kinds) > 1:
+        raise ConfigError(f"data.source {path} mixes parquet and json files: keep one format per source")
+    try:
+        return datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train",
+                                     cache_dir=cache_dir)
+    except Exception as err:  # malformed json/parquet
+        raise ConfigError(f"data.source {path}: cannot read it as a dataset ({type(err).__name__}: "
+                          f"{str(err).splitlines()[0] if str(err) else ''})") from None
+
+
+def _load_hub(cfg: PipelineConfig):
+    import datasets
+
+    try:
+        return datasets.load_dataset(cfg.data.source, split=cfg.data.split,
+                                     cache_dir=str(cfg.home_dir() / "cache" / "hf-datasets"))
+    except Exception as err:
+        raise ConfigError(f"data.source {cfg.data.source!r} is not a local path and could not be loaded from the "
+                          f"Hugging Face hub ({type(err).__name__}); offline? save it with save_to_disk and point "
+                          f"data.source at the folder") from None
+
+
+def load_documents(cfg: PipelineConfig) -> list[tuple[str, str]]:
+    """``[(document id, text)]`` in the source's order (ids unique)."""
+    source = cfg.data.source
+    if source == "champ":
+        return _champ_documents()
+    if source == "stdlib":
+        return _stdlib_documents()
+    if is_local_source(source):
+        path = Path(source).expanduser().resolve()
+        if not path.exists():
+            raise ConfigError(f"data.source {source!r} does not exist")
+        table = _load_local(path, cfg)
+    else:
+        table = _load_hub(cfg)
+    columns = list(table.column_names)
+    field = cfg.data.text_field
+    if field not in columns:
+        raise ConfigError(f"data.source {source!r} has no column {field!r} (columns: {columns}): set data.text_field")
+    if cfg.data.id_field and cfg.data.id_field not in columns:
+        raise ConfigError(f"data.source {source!r} has no column {cfg.data.id_field!r} (columns: {columns}): set "
+                          f"data.id_field, or leave it empty to use row numbers")
+    texts = table[field]
+    ids = [str(x) for x in table[cfg.data.id_field]] if cfg.data.id_field else [str(i) for i in range(len(texts))]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"data.id_field {cfg.data.id_field!r} is not unique in {source!r}")
+    return [(doc_id, text) for doc_id, text in zip(ids, texts) if isinstance(text, str) and text]
+
+
+# ----------------------------------------------------------------------------------------------- packing
+def _tokenized(docs: list[tuple[str, str]], order: Iterable[int], tokenizer) -> Iterator[tuple[int, list[int]]]:
+    """``(document index, token ids)`` along ``order``, tokenizing ``TOKENIZE_CHUNK`` documents at a time."""
+    order = list(order)
+    for start in range(0, len(order), TOKENIZE_CHUNK):
+        chunk = order[start:start + TOKENIZE_CHUNK]
+        encoded = tokenizer([docs[i][1] for i in chunk], add_special_tokens=False, verbose=False)["input_ids"]
+        yield from zip(chunk, encoded)
+
+
+def _cut(stream: Iterator[tuple[int, list[int]]], docs, seq_len: int, want: int, packing: bool, separator):
+    """Take documents from ``stream`` until ``want`` sequences are cut; returns (sequences, documents consumed)."""
+    sequences: list[tuple[list[int], list[str]]] = []
+    consumed = 0
+    buffer: list[int] = []
+    spans: list[list] = []  # [document id, tokens of it still in the buffer]
+    if want <= 0:
+        return sequences, consumed
+    for index, ids in stream:
+        consumed += 1
+        doc_id = docs[index][0]
+        if not packing:
+            if len(ids) >= seq_len:
+                sequences.append((ids[:seq_len], [doc_id]))
+        else:
+            piece = ids + ([separator] if separator is not None else [])
+            buffer.extend(piece)
+            spans.append([doc_id, len(piece)])
+            while len(buffer) >= seq_len and len(sequences) < want:
+                taken, need = [], seq_len
+                while need:
+                    use = min(need, spans[0][1])
+                    taken.append(spans[0][0])
+                    spans[0][1] -= use
+                    need -= use
+                    if spans[0][1] == 0:
+                        spans.pop(0)
+                sequences.append((buffer[:seq_len], taken))
+                buffer = buffer[seq_len:]
+        if len(sequences) >= want:
+            break
+    return sequences, consumed
+
+
+def build_sequences(docs: list[tuple[str, str]], tokenizer, *, seq_len: int, num_train: int, num_eval: int,
+                    packing: bool = True, seed: int = 0) -> dict[str, list[dict]]:
+    """Both splits from ``docs`` (see the module doc for the rules); raises :class:`ConfigError` if too few."""
+    if not docs:
+        raise ConfigError("the data source holds no documents (empty dataset or no non-empty text): "
+                          "point data.source at a dataset with text")
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    separator = tokenizer.eos_token_id
+    eval_seqs, eval_used = _cut(_tokenized(docs, reversed(order), tokenizer), docs, seq_len, num_eval, packing,
+                                separator)
+    train_pool = order[:len(order) - eval_used]
+    train_seqs, _ = _cut(_tokenized(docs, train_pool, tokenizer), docs, seq_len, num_train, packing, separator)
+    for split, got, want in (("train", train_seqs, num_train), ("eval", eval_seqs, num_eval)):
+        if len(got) < want:
+            raise ConfigError(
+                f"data.source yields only {len(got)} {split} sequences of {seq_len} tokens "
+                f"({len(docs)} documents, {'packed' if packing else 'truncated'}), fewer than the "
+                f"{want} asked for: lower data.num_sequences/data.eval_sequences or data.seq_len, "
+                f"{'or set data.packing=true, ' if not packing else ''}or use a larger corpus")
+    eval_docs = {d for _, ds in eval_seqs for d in ds}
+    train_docs = {d for _, ds in train_seqs for d in ds}
+    assert not eval_docs & train_docs, "train and eval sequences share documents"
+    return {split: [{"id": f"{split}-{i:06d}", "input_ids": ids, "docs": ds} for i, (ids, ds) in enumerate(seqs)]
+            for split, seqs in (("train", train_seqs), ("eval", eval_seqs))}
+
+
+# ----------------------------------------------------------------------------------------------- cache
+def load_tokenizer(cfg: PipelineConfig):
+    from transformers import AutoTokenizer
+
+    path = cfg.model.resolved_path()
+    if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"model.path {path} has no tokenizer (tokenizer.json / tokenizer_config.json): "
+                          f"run `make model` for SmolLM2, or save the tokenizer next to the weights")
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def data_fingerprint(cfg: PipelineConfig, tokenizer=None) -> str:
+    """The hash that names the sequence cache (and enters the precomputed-target hash)."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    d = cfg.data
+    return fingerprint("kvpop.sequences", DATA_FORMAT_VERSION, source_identity(cfg), d.text_field, d.id_field,
+                       d.split if d.source not in BUILTIN_SOURCES else "", d.seq_len, d.num_sequences, d.eval_sequences,
+                       d.packing, d.seed, tokenizer_digest(tokenizer))
+
+
+def sequences_dir(cfg: PipelineConfig, tokenizer=None) -> Path:
+    return cfg.home_dir() / "data" / "sequences" / data_fingerprint(cfg, tokenizer)
+
+
+def _write_split(path: Path, rows: list[dict]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": pa.array([r["id"] for r in rows], pa.string()),
+                      "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
+                      "docs": pa.array([r["docs"] for r in rows], pa.list_(pa.string()))})
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")  # concurrent builders never share a temp file
+    try:
+        pq.write_table(table, tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_split(path: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path).to_pylist()
+
+
+def load_sequences(cfg: PipelineConfig, split: str = "train", tokenizer=None) -> list[dict]:
+    """The ``split`` ("train" or "eval") sequences: ``[{"id", "input_ids", "docs"}]``, deterministic and cached."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    folder = sequences_dir(cfg, tokenizer)
+    if (folder / "meta.json").is_file():
+        return _read_split(folder / f"{split}.parquet")
+    t0 = time.perf_counter()
+    docs = load_documents(cfg)
+    built = build_sequences(docs, tokenizer, seq_len=cfg.data.seq_len, num_train=cfg.data.num_sequences,
+                            num_eval=cfg.data.eval_sequences, packing=cfg.data.packing, seed=cfg.data.seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in built.items():
+        _write_split(folder / f"{name}.parquet", rows)
+    meta = {"format_version": DATA_FORMAT_VERSION, "source": source_identity(cfg), "data": cfg.to_dict()["data"],
+            "model": str(cfg.model.resolved_path()), "documents": len(docs),
+            "sequences": {name: len(rows) for name, rows in built.items()},
+            "seconds": round(time.perf_counter() - t0, 3)}
+    atomic_write_text(folder / "meta.json", json.dumps(meta, indent=2))
+    return [dict(r) for r in built[split]]

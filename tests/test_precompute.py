@@ -1,0 +1,146 @@
+"""pipelines.precompute: teacher targets into Parquet shards through Ray Data, with a manifest as the commit point.
+
+One tiny random teacher (SmolLM2's tokenizer, 2 layers, 4 query / 2 KV heads) over 8 sequences of 64 tokens, one
+sequence per shard, on the session's shared Ray cluster.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines import precompute
+from pipelines.config import ConfigError
+from tests.pipeline_helpers import WINDOWS, tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.pretrained  # the tiny teachers use SmolLM2's tokenizer
+
+
+def _rows(path: Path) -> dict[str, dict]:
+    table = precompute.open_targets(path).read_table()
+    arrays = {name: table.column(name).combine_chunks().to_numpy_ndarray() for name in table.column_names
+              if name != "id"}
+    return {seq_id: {name: array[i] for name, array in arrays.items()}
+            for i, seq_id in enumerate(table.column("id").to_pylist())}
+
+
+@pytest.mark.ray
+def test_shards_hold_the_teachers_targets_and_topk_logits(tiny_targets, tiny_setup):
+    from kvpop.pretrained import load_pretrained
+    from kvpop.targets import teacher_pass
+
+    cfg, result = tiny_targets
+    assert result.shards == 8 and result.computed == 8 and result.rows == 8
+    targets = precompute.open_targets(result.path, window=8, seq_len=64)
+    assert targets.ids == [f"train-{i:06d}" for i in range(8)]
+    header = json.loads((result.path / precompute.HEADER).read_text())
+    assert header["identity"]["schema_version"] == precompute.SCHEMA_VERSION
+    assert result.path.parent == cfg.home_dir() / "targets"
+    model, _ = load_pretrained(tiny_setup / "teacher")
+    rows = _rows(result.path)
+    for seq_id, row in rows.items():
+        ids = torch.tensor(row["input_ids"], dtype=torch.long)[None]
+        want = teacher_pass(model, ids, WINDOWS, top_k=8, group_reduce="max")
+        for w in WINDOWS:
+            torch.testing.assert_close(torch.tensor(row[f"targets_w{w}"]), want["targets"][w][:, 0],
+                                       rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(row["topk_values"]), want["topk_values"][0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(torch.tensor(row["topk_indices"]).long(), want["topk_indices"][0])
+    # no teacher work the second time: every shard is committed and intact (Ray is not even needed)
+    again = precompute.run(cfg)
+    assert again.computed == 0 and again.path == result.path
+
+
+@pytest.mark.ray
+def test_a_shard_removed_from_the_manifest_is_the_only_one_recomputed(tiny_targets, tiny_setup, tmp_path):
+    cfg, result = tiny_targets
+    manifest = result.path / precompute.MANIFEST
+    before = manifest.read_text().splitlines()
+    kept = [line for line in before if json.loads(line)["shard"] != 3]
+    manifest.write_text("\n".join(kept) + "\n")
+    again = precompute.run(cfg)
+    assert again.computed == 1
+    after = precompute.read_manifest(result.path)
+    old = {json.loads(line)["shard"]: json.loads(line) for line in before}
+    assert after[3]["sha256"] == old[3]["sha256"]  # deterministic: the same bytes again
+    assert precompute.open_targets(result.path).num_rows == 8
+
+
+@pytest.mark.ray
+def test_a_killed_run_resumes_to_exactly_the_rows_of_an_uninterrupted_run(tiny_targets, tiny_setup, tmp_path,
+                                                                         ray_cluster):
+    cfg = tiny_config(tiny_setup, tmp_path / "home")
+    assert precompute.targets_dir(cfg).name == tiny_targets[1].path.name  # same config, another home
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import json, sys, time\n"
+        "import ray\n"
+        "from pipelines import precompute\n"
+        "from pipelines.config import config_from_dict\n"
+        "cfg = config_from_dict(json.loads(sys.argv[1]))\n"
+        "ray.init(address=sys.argv[2])\n"
+        "def progress(record, done, total):\n"
+        "    if done >= 2:\n"
+        "        time.sleep(3600)  # hold here until the test kills this driver\n"
+        "precompute.run(cfg, progress=progress)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg.to_dict()), ray_cluster], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    folder = precompute.targets_dir(cfg)
+    try:
+        deadline = time.monotonic() + 240
+        while len(precompute.read_manifest(folder)) < 2:
+            assert proc.poll() is None, "the driver exited before it was killed"
+            assert time.monotonic() < deadline, "the driver committed no shards in time"
+            time.sleep(0.2)
+    finally:
+        proc.kill()  # SIGKILL: no cleanup of any kind
+        proc.wait()
+    committed = len(precompute.read_manifest(folder))
+    assert 2 <= committed < 8
+    resumed = precompute.run(cfg)
+    assert resumed.computed == 8 - committed
+    lines = [json.loads(line) for line in (folder / precompute.MANIFEST).read_text().splitlines()]
+    assert sorted(r["shard"] for r in lines) == list(range(8))  # no shard committed twice
+    got, want = _rows(folder), _rows(tiny_targets[1].path)
+    assert list(got) == list(want)
+    for seq_id in want:
+        for name in want[seq_id]:
+            np.testing.assert_array_equal(got[seq_id][name], want[seq_id][name])
+
+
+def test_an_empty_dataset_fails_before_anything_is_written(tiny_setup, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    cfg = tiny_config(tiny_setup, tmp_path / "home", f"data.source={empty}")
+    with pytest.raises(ConfigError, match="no documents|cannot read"):
+        precompute.run(cfg)
+    assert not (tmp_path / "home" / "targets").exists()
+
+
+def test_another_config_gets_another_directory(tiny_setup, tmp_path):
+    home = tmp_path / "home"
+    base = precompute.targets_dir(tiny_config(tiny_setup, home))
+    for extra in ("data.seq_len=128", "precompute.windows=[8]", "precompute.top_k=4",
+                  f"model.path={tiny_setup / 'other_teacher'}", "model.dtype=bfloat16", "data.seed=3"):
+        assert precompute.targets_dir(tiny_config(tiny_setup, home, extra)) != base, extra
+    # the output root and the actor layout are not part of the identity
+    assert precompute.targets_dir(tiny_config(tiny_setup, home, "precompute.num_actors=2")) == base
+
+
+def test_a_torn_manifest_line_is_not_committed(tmp_path):
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / precompute.MANIFEST).write_text(json.dumps({"shard": 0}) + "\n" + '{"shard": 1, "fi')
+    assert list(precompute.read_manifest(folder)) == [0]
+    precompute._repair_manifest(folder)
+    assert (folder / precompute.MANIFEST).read_text() == json.dumps({"shard": 0}) + "\n"
