@@ -98,7 +98,7 @@ def bench_targets(p, device, dtype):
 def bench_train_step(p, device, dtype):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from kvpop.attention import flex, retention_block_mask
+    from kvpop.attention import flex
     from kvpop.retention import eviction_positions
 
     hq, hkv = p["heads"]
@@ -116,10 +116,14 @@ def bench_train_step(p, device, dtype):
     t_causal_mask, _, causal_bm = timed(lambda: create_block_mask(causal_mod, None, None, size, size, device=device,
                                                                   _compile=device.type == "cuda"), device, p["reps"])
 
-    def structure():
+    def structure():  # what a layer of the training forward builds: its eviction positions + the shared structure
+        import copy
+
+        from kvpop.attention import _causal_structure, _contiguous_mask_mod
         evict = eviction_positions(prio, budget)
-        return retention_block_mask(pos, pos[:, None].expand(1, hkv, size).contiguous(), evict, valid, budget, hq,
-                                    contiguous=True)
+        block_mask = copy.copy(_causal_structure(size, str(device)))
+        block_mask.mask_mod = _contiguous_mask_mod(evict, budget.sink, budget.window, hq // hkv)
+        return block_mask
 
     t_evict, _, _ = timed(lambda: eviction_positions(prio, budget), device, p["reps"])
     t_struct, _, kv_bm = timed(structure, device, p["reps"])

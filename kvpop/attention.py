@@ -10,6 +10,7 @@ Decoding a single token over a fixed cache needs no mask at all beyond "slot is 
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -102,6 +103,15 @@ def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_
         seq_lengths=(q_pos.shape[-1], kv_pos.shape[-1]))
 
 
+@functools.lru_cache(maxsize=16)
+def _causal_structure(size: int, device: str) -> BlockMask:
+    """Every block on or below the diagonal, all partial (a retention mask leaves no block full in general)."""
+    blocks = (size + BLOCK - 1) // BLOCK
+    ids = torch.arange(blocks, device=device)
+    causal = (ids[None, :] <= ids[:, None])[None, None]
+    return BlockMask.from_kv_blocks(*_to_indices(causal), BLOCK_SIZE=BLOCK, mask_mod=None, seq_lengths=(size, size))
+
+
 def _to_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense block booleans ``[B, H, nq, nk]`` → (counts, indices with the selected blocks first)."""
     counts = blocks.sum(-1, dtype=torch.int32)
@@ -131,7 +141,11 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
     arange = torch.arange(q_pos.shape[-1], device=q_pos.device)
     contiguous = query.shape[2] == key.shape[2] and bool(kv_valid.all()) and bool((q_pos == arange).all()) \
         and bool((kv_pos == arange).all())
-    block_mask = retention_block_mask(q_pos.contiguous(), kv_pos, kv_evict, kv_valid, budget, hq, contiguous)
+    if contiguous:  # one causal block structure per shape, shared by every layer: only the mask_mod differs
+        block_mask = copy.copy(_causal_structure(query.shape[2], str(query.device)))
+        block_mask.mask_mod = _contiguous_mask_mod(kv_evict, budget.sink, budget.window, hq // hkv)
+    else:  # padding / a cache's candidates: the structure comes from the tensors themselves
+        block_mask = retention_block_mask(q_pos.contiguous(), kv_pos, kv_evict, kv_valid, budget, hq)
     out = flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv)
     return out.transpose(1, 2).contiguous()
 
