@@ -144,7 +144,6 @@ def run_config(model, policy, length, batch, args, device, bandwidth):
     row["floor_ms"] = 1e3 * floor_s
     best = row.get("graph_ms", row["eager_ms"])
     row["x_floor"] = best / row["floor_ms"]
-    del cache
     return row
 
 

@@ -107,8 +107,6 @@ def bench_train_step(p, device, dtype):
     k = torch.randn(1, hkv, size, p["head_dim"], device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(1, hkv, size, p["head_dim"], device=device, dtype=dtype, requires_grad=True)
     prio = torch.randn(1, hkv, size, device=device)
-    pos = torch.arange(size, device=device)[None]
-    valid = torch.ones(1, hkv, size, dtype=torch.bool, device=device)
 
     def causal_mod(b, h, qi, ki):
         return ki <= qi

@@ -1,6 +1,5 @@
 """The retention rule (METHOD §1) against a brute force that applies it query by query."""
 import random
-import resource
 import subprocess
 import sys
 
