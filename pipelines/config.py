@@ -106,13 +106,23 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class SweepConfig:
-    scorers: tuple[str, ...] = ("mlstm", "mlp")
-    lrs: tuple[float, ...] = ()
-    budgets: tuple[tuple[int, int, int], ...] = ()  # (sink, window, topk); empty: the main budget only
-    num_samples: int = 1
-    max_concurrent_trials: int = 2
-    steps: int = 20
-    grace_period: int = 5
+    """Ray Tune over training variants (pipelines/sweep.py): the grid scorers × lrs × budgets × grid, ASHA-stopped."""
+    scorers: tuple[str, ...] = ("mlstm", "mlp")  # grid over train.scorer; empty: train.scorer only
+    lrs: tuple[float, ...] = ()  # grid over train.lr; empty: train.lr only (or lr_range)
+    lr_range: tuple[float, ...] = ()  # [low, high]: train.lr sampled log-uniformly instead, num_samples per grid point
+    budgets: tuple[tuple[int, int, int], ...] = ()  # (sink, window, topk); empty: the main budget only. Every window
+    #                                                 needs precomputed targets (precompute.windows)
+    grid: dict = field(default_factory=dict)  # more train.* keys -> lists of values, e.g. {"train.beta": [0.5, 1.0]}
+    num_samples: int = 1  # Tune's num_samples: draws per grid point (> 1 only with lr_range: else trials repeat)
+    max_concurrent_trials: int = 1  # trials (TorchTrainer runs) at once; 1 on the 2-core default (no spare CPUs)
+    steps: int = 20  # training steps per trial (replaces train.steps in the trials; the best config keeps train.steps)
+    grace_period: int = 5  # ASHA: steps before a trial can be stopped
+    reduction_factor: int = 2  # ASHA: keep the best 1/reduction_factor at each rung
+    metric: str = "kl"  # loss | ret_loss | kl | boundary_acc: what ASHA and the best config compare (last value)
+    mode: str = "min"  # min | max
+    in_pipeline: bool = False  # jobs.pipeline runs the sweep after precompute, then trains/evaluates its best config
+    name: str = ""  # default: <config name>-sweep-<UTC time>; the Tune experiment and the parent MLflow run
+    output_root: str = ""  # default: $KVPOP_HOME/sweeps
 
 
 @dataclass(frozen=True)
@@ -139,7 +149,7 @@ class RayConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    uri: str = ""  # default: sqlite:///$KVPOP_HOME/mlflow.db
+    uri: str = ""  # default: $MLFLOW_TRACKING_URI if set (a cluster's MLflow server), else sqlite:///$KVPOP_HOME/mlflow.db
     experiment: str = "kvpop"
 
 
@@ -168,7 +178,9 @@ class PipelineConfig:
         return Path(kvpop_home()).resolve()
 
     def tracking_uri(self) -> str:
-        return self.tracking.uri or f"sqlite:///{self.home_dir() / 'mlflow.db'}"
+        """``tracking.uri``, else ``$MLFLOW_TRACKING_URI`` (a cluster's head sets it: infra/), else the local sqlite."""
+        return (self.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI")
+                or f"sqlite:///{self.home_dir() / 'mlflow.db'}")
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -201,10 +213,14 @@ def _validate(cfg: PipelineConfig) -> None:
         (cfg.train.steps >= 1 and cfg.train.batch_size >= 1, "train.steps and train.batch_size must be >= 1"),
         (cfg.train.tau > 0 and cfg.train.lr > 0, "train.tau and train.lr must be > 0"),
         (cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype must be float32, bfloat16 or float16"),
+        (cfg.train.cpus_per_worker > 0, "train.cpus_per_worker must be > 0"),
+        (cfg.ray.num_cpus >= 1, "ray.num_cpus must be >= 1"),
     ]
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _validate_scorer(cfg.train.scorer, "train.scorer")
+    _validate_sweep(cfg.sweep)
     for total in cfg.eval.budgets:
         if total < cfg.budget.sink + cfg.budget.window:
             raise ConfigError(f"eval.budgets: {total} is smaller than sink + window = "
@@ -213,6 +229,53 @@ def _validate(cfg: PipelineConfig) -> None:
         if not 0 <= ratio < 1:
             raise ConfigError(f"eval.compression_ratios: {ratio} is not in [0, 1)")
     _validate_eval(cfg.eval)
+
+
+def _validate_scorer(name: str, where: str) -> None:
+    from kvpop.scorers import SCORERS
+
+    if name not in SCORERS:
+        raise ConfigError(f"{where}: unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
+
+
+SWEEP_METRICS = ("loss", "ret_loss", "kl", "boundary_acc")
+
+
+def _validate_sweep(sw: "SweepConfig") -> None:
+    """The sweep section on its own; pipelines.sweep.plan checks it against the rest (windows, targets, cluster)."""
+    for name in sw.scorers:
+        _validate_scorer(name, "sweep.scorers")
+    checks = [
+        (all(lr > 0 for lr in sw.lrs), "sweep.lrs must all be > 0"),
+        (not (sw.lrs and sw.lr_range), "sweep.lrs and sweep.lr_range exclude each other: give a grid or a range"),
+        (len(sw.lr_range) in (0, 2) and (not sw.lr_range or 0 < sw.lr_range[0] < sw.lr_range[1]),
+         "sweep.lr_range must be [low, high] with 0 < low < high"),
+        (sw.num_samples >= 1, "sweep.num_samples must be >= 1"),
+        (sw.num_samples == 1 or bool(sw.lr_range), "sweep.num_samples > 1 repeats identical trials unless "
+                                                   "sweep.lr_range samples the learning rate"),
+        (sw.max_concurrent_trials >= 1, "sweep.max_concurrent_trials must be >= 1"),
+        (sw.steps >= 1, "sweep.steps must be >= 1"),
+        (1 <= sw.grace_period <= sw.steps, "sweep.grace_period must be between 1 and sweep.steps"),
+        (sw.reduction_factor >= 2, "sweep.reduction_factor must be >= 2"),
+        (sw.metric in SWEEP_METRICS, f"sweep.metric must be one of {', '.join(SWEEP_METRICS)}"),
+        (sw.mode in ("min", "max"), "sweep.mode must be min or max"),
+        (all(isinstance(v, list) and v for v in sw.grid.values()), "sweep.grid maps train.* keys to non-empty lists"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    for key in sw.grid:
+        section, _, name = str(key).partition(".")
+        fields = {f.name for f in dataclasses.fields(TrainConfig)}
+        if section != "train" or name not in fields:
+            raise ConfigError(f"sweep.grid: {key!r} is not a train.* key (known: train.{', train.'.join(sorted(fields))})")
+        if name in SWEEP_OWNED:
+            raise ConfigError(f"sweep.grid: {key} is set by the sweep itself (use sweep.scorers / sweep.lrs / "
+                              f"sweep.steps)")
+
+
+# train.* keys the sweep sets in its trials (not sweepable through sweep.grid)
+SWEEP_OWNED = ("scorer", "lr", "steps", "targets", "run_name", "output_root", "fail_at_step")
 
 
 def _validate_eval(ev: "EvalConfig") -> None:

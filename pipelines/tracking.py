@@ -66,6 +66,27 @@ def run(cfg: PipelineConfig, run_name: str, *, stage: str, nested: bool = False,
         yield active
 
 
+def create_run(cfg: PipelineConfig, run_name: str, *, stage: str, parent_run_id: str | None = None,
+               tags: dict | None = None, log_config: bool = True) -> str:
+    """A new run made with the client, not the fluent API (no process-global active run: safe inside Ray actors and
+    their threads, e.g. one Tune trial); nested under ``parent_run_id`` if given. Returns its id; end it with
+    ``MlflowClient.set_terminated``."""
+    import mlflow
+    from mlflow.entities import Param
+
+    experiment_id = setup(cfg)
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    all_tags = {"kvpop.stage": stage, "kvpop.config": cfg.name, **(tags or {})}
+    if parent_run_id:
+        all_tags["mlflow.parentRunId"] = parent_run_id
+    run_id = client.create_run(experiment_id, run_name=run_name, tags=all_tags).info.run_id
+    if log_config:
+        items = [Param(k, str(v)) for k, v in _flatten(cfg.to_dict()).items()]
+        for start in range(0, len(items), 100):  # MLflow caps a batch at 100 params
+            client.log_batch(run_id, params=items[start:start + 100])
+    return run_id
+
+
 def find_run(cfg: PipelineConfig, run_name: str, stage: str) -> str | None:
     """The id of the latest run with this name and stage (to resume it), if any."""
     import mlflow

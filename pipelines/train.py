@@ -15,6 +15,9 @@
    (``train.max_failures`` worker-group restarts) and the shards as a Ray Data dataset.
 4. Logs the final retrofitted model (``save_retrofitted`` folder) as the run's ``model`` artifact.
 
+:func:`make_trainer` builds that ``TorchTrainer``; the sweep stage (``pipelines/sweep.py``) builds one per Tune trial
+with Tune's ``TuneReportCallback``, a metrics report every step (``report_every_step``) and no final model.
+
 **Resume.** Ray Train V2 keeps a checkpoint-manager snapshot in ``<storage_path>/<name>/``; a new ``TorchTrainer``
 with the same name and storage path loads it, and ``ray.train.get_checkpoint()`` in the workers returns the latest
 reported checkpoint (verified in ``tests/test_train.py``). The training function then restores model + optimizer
@@ -332,8 +335,11 @@ def train_loop(config: dict) -> None:
                   f"acc {acc:.3f} {last['tokens_per_s']:.0f} tok/s", flush=True)
         if step % t.checkpoint_every == 0 or step == t.steps:
             _report_checkpoint(model, optimizer, t.mode == "scorer_only", step, rank, last, config)
-    _save_final(model, cfg, config["teacher_path"], Path(config["run_dir"]) / FINAL_MODEL, tokenizer, sharded, rank,
-                max(start_step, t.steps))
+        elif config.get("report_every_step"):  # a Tune trial: every step reaches the scheduler (ASHA)
+            ray.train.report(last)
+    if config.get("save_final", True):
+        _save_final(model, cfg, config["teacher_path"], Path(config["run_dir"]) / FINAL_MODEL, tokenizer, sharded,
+                    rank, max(start_step, t.steps))
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
@@ -436,6 +442,18 @@ def _check_resources(cfg: PipelineConfig) -> None:
 
 
 def _fit(cfg: PipelineConfig, targets, name: str, storage: Path, strategy: str, precision: str, run_id: str):
+    return make_trainer(cfg, targets, name, storage, strategy, precision, run_id).fit()
+
+
+def make_trainer(cfg: PipelineConfig, targets, name: str, storage: Path, strategy: str, precision: str, run_id: str,
+                 *, callbacks: tuple = (), report_every_step: bool = False, save_final: bool = True):
+    """The ``TorchTrainer`` of one training run (the train stage's, or one sweep trial's).
+
+    ``name``/``storage``: Ray Train's run name and storage path (same pair → resume); ``run_id``: the MLflow run rank 0
+    logs metric histories to; ``callbacks``: Ray Train callbacks (a sweep passes Tune's ``TuneReportCallback``);
+    ``report_every_step``: ``ray.train.report`` the metrics every step, not only at checkpoints; ``save_final``:
+    write ``<storage>/<name>/final_model`` at the end.
+    """
     import ray
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -450,11 +468,12 @@ def _fit(cfg: PipelineConfig, targets, name: str, storage: Path, strategy: str, 
     dataset = ray.data.read_parquet(files * copies).select_columns(columns)
     loop_config = {"cfg": cfg.to_dict(), "teacher_path": str(cfg.model.resolved_path()), "run_name": name,
                    "run_dir": str(storage / name), "tracking_uri": cfg.tracking_uri(), "mlflow_run_id": run_id,
-                   "strategy": strategy, "precision": precision}
+                   "strategy": strategy, "precision": precision, "report_every_step": report_every_step,
+                   "save_final": save_final}
     ingest = ray.train.DataConfig.default_ingest_options()
     ingest.preserve_order = True  # the same batch order on a restart (a resumed run skips what it already saw)
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
-    trainer = TorchTrainer(
+    return TorchTrainer(
         train_loop,
         train_loop_config=loop_config,
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
@@ -464,12 +483,12 @@ def _fit(cfg: PipelineConfig, targets, name: str, storage: Path, strategy: str, 
             name=name, storage_path=str(storage),
             failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            callbacks=list(callbacks),
             worker_runtime_env={"env_vars": {**env_home(cfg), "OMP_NUM_THREADS": str(max(1, int(t.cpus_per_worker))),
                                              **({"NCCL_NVLS_ENABLE": "0"} if t.use_gpu else {})}}),
         datasets={"train": dataset},
         dataset_config=ray.train.DataConfig(execution_options=ingest),
     )
-    return trainer.fit()
 
 
 def _main() -> None:  # pragma: no cover - a convenience for manual runs; jobs/ hold the real CLIs

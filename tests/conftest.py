@@ -14,6 +14,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Local clusters without token auth, so that a second driver (a subprocess in a test) can join the session's cluster.
 os.environ["RAY_AUTH_MODE"] = "disabled"
+# Each test's MLflow store is its config's own (sqlite under its home), never a server this shell points at.
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 # A stuck Ray Data pipeline fails the test instead of hanging it.
 os.environ.setdefault("RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S", "300")
 
@@ -82,7 +84,7 @@ def ray_cluster():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4)
+        ray.init(address="local", num_cpus=4)  # never a `ray start` head running on this machine
     yield ray.get_runtime_context().gcs_address
     if started:
         ray.shutdown()

@@ -1,0 +1,402 @@
+"""Stage 2b: a Ray Tune sweep over training variants, each trial a Ray Train run, tracked as nested MLflow runs.
+
+``run(cfg)``, in the driver:
+
+1. **Plans and validates before anything is written** (:func:`plan`): the grid ``sweep.scorers × sweep.lrs ×
+   sweep.budgets × sweep.grid`` (each empty axis = the config's own value; ``sweep.lr_range`` samples ``train.lr``
+   log-uniformly instead, ``sweep.num_samples`` draws per grid point). Every trial's full config is built and
+   validated up front. Targets depend on the window only (METHOD §2), so the precomputed target directory must hold a
+   target column for **every window the sweep uses** — one error naming the missing windows otherwise. Then the
+   cluster must fit ``min(max_concurrent_trials, trials)`` trials with a CPU left for Ray Data (the Train+Data
+   deadlock of NOTES.md).
+2. Opens the **parent MLflow run** (stage ``sweep``, the whole config as params) and runs a ``ray.tune.Tuner`` over a
+   *function trainable* (the Ray Train V2 pattern — ``Tuner(TorchTrainer)`` is gone in Ray 2.60): each trial
+
+   * builds its config (``train.steps = sweep.steps``, the verified targets, its own storage under
+     ``<sweep dir>/trials/<sweep name>-<trial id>``),
+   * creates a **child MLflow run** (``mlflow.parentRunId`` = the parent; the whole trial config as params; tags
+     ``kvpop.sweep``, ``kvpop.trial_id``, ``kvpop.variant``) that rank 0 of the workers fills with metric histories,
+   * builds the train stage's ``TorchTrainer`` (:func:`pipelines.train.make_trainer`) with Tune's
+     ``TuneReportCallback`` and ``report_every_step``: every step's all-reduced metrics (``step``, ``loss``,
+     ``ret_loss``, ``kl``, ``boundary_acc``, ``tokens_per_s`` …) reach Tune, the checkpoint steps as usual with their
+     ``torch.distributed.checkpoint``; no final model is written (train the best config with the train stage),
+   * and fits it. The trial's Tune actor asks for 0.01 CPU (it only drives); its workers ask for
+     ``train.num_workers × train.cpus_per_worker``.
+
+   **ASHA** (``ASHAScheduler(time_attr="step", max_t=sweep.steps, grace_period=sweep.grace_period,
+   reduction_factor=sweep.reduction_factor)``, ``metric=sweep.metric``, ``mode=sweep.mode``) stops the weaker trials
+   at each rung: Tune ends the trial's actor, and with it the Ray Train controller and workers it owns (their
+   placement group is released; a fast trial may log a step or two more to MLflow meanwhile). A trial that reaches
+   ``sweep.steps`` ends by returning (``stop_last_trials=False``), not by being stopped. ``max_concurrent_trials``
+   bounds the TorchTrainer runs in flight; ``reuse_actors`` is off (a reused actor would keep a stopped trial's
+   training thread alive).
+3. After the sweep, closes every child run from Tune's view of its trial — ``FINISHED``, ``FAILED`` (tag
+   ``kvpop.error``), or ``KILLED`` with ``kvpop.early_stopped=true`` for ASHA-stopped trials; a trial's own actor
+   only ends its run when it returns or fails while still running — picks the best trial (``sweep.metric`` at each trial's last report) and writes the
+   **best config** — the input config with the winner's scorer, lr, budget and grid values, ``train.steps``
+   unchanged — as a loadable preset ``<sweep dir>/best.yaml`` (``python -m jobs.train --config …/best.yaml``), logged
+   to the parent run with a trial table (``sweep/trials.json``), ``best.<metric>`` and ``kvpop.best_*`` tags.
+
+Sweep directory: ``sweep.output_root`` (default ``$KVPOP_HOME/sweeps``) ``/<sweep name>/``, which is also Tune's
+experiment directory. The sweep name (``sweep.name``, default ``<config name>-sweep-<UTC time>``) names the parent
+MLflow run; an existing sweep directory is refused rather than mixed into.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipelines.config import ConfigError, PipelineConfig, _set_path, config_from_dict, load_config
+
+BEST_CONFIG = "best.yaml"
+TRIALS_DIR = "trials"
+DRIVER_CPUS = 0.01  # a trial's Tune actor only drives its TorchTrainer
+
+
+# ------------------------------------------------------------------------------------------------ the search space
+def sweep_root(cfg: PipelineConfig) -> Path:
+    root = cfg.sweep.output_root
+    return Path(root).expanduser().resolve() if root else cfg.home_dir() / "sweeps"
+
+
+def variants(cfg: PipelineConfig) -> list[dict[str, Any]]:
+    """The grid points as dotted overrides (``{"train.scorer": …, "train.lr": …, "budget.sink": …, …}``), in order.
+
+    ``train.lr`` is absent when ``sweep.lr_range`` samples it (:func:`trial_overrides` adds the draw).
+    """
+    sw = cfg.sweep
+    scorers = sw.scorers or (cfg.train.scorer,)
+    lrs = () if sw.lr_range else (sw.lrs or (cfg.train.lr,))
+    budgets = sw.budgets or ((cfg.budget.sink, cfg.budget.window, cfg.budget.topk),)
+    grid_keys = list(sw.grid)
+    out = []
+    for scorer, lr, budget, *extra in itertools.product(scorers, lrs or (None,), budgets,
+                                                        *(sw.grid[k] for k in grid_keys)):
+        point: dict[str, Any] = {"train.scorer": scorer}
+        if lr is not None:
+            point["train.lr"] = float(lr)
+        point.update({"budget.sink": int(budget[0]), "budget.window": int(budget[1]), "budget.topk": int(budget[2])})
+        point.update(dict(zip(grid_keys, extra)))
+        out.append(point)
+    return out
+
+
+def trial_overrides(config: dict) -> dict[str, Any]:
+    """A Tune trial's config (``{"variant": {...}, "lr": draw?}``) as dotted overrides."""
+    overrides = dict(config["variant"])
+    if "lr" in config:
+        overrides["train.lr"] = float(config["lr"])
+    return overrides
+
+
+def variant_label(overrides: dict[str, Any]) -> str:
+    """``mlp-s4-w16-k8-lr0.01`` (+ ``-beta0.5`` … for grid keys): a readable trial name."""
+    parts = [str(overrides["train.scorer"]),
+             f"s{overrides['budget.sink']}-w{overrides['budget.window']}-k{overrides['budget.topk']}"]
+    if "train.lr" in overrides:
+        parts.append(f"lr{overrides['train.lr']:.3g}")
+    for key, value in overrides.items():
+        if key.startswith("train.") and key not in ("train.scorer", "train.lr"):
+            parts.append(f"{key.split('.', 1)[1]}{value}")
+    return "-".join(parts)
+
+
+def apply_overrides(tree: dict, overrides: dict[str, Any]) -> PipelineConfig:
+    """``tree`` (a ``to_dict()``) with dotted overrides, validated."""
+    tree = copy.deepcopy(tree)
+    for key, value in overrides.items():
+        _set_path(tree, key, value)
+    return config_from_dict(tree)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+@dataclass
+class Plan:
+    cfg: PipelineConfig  # home resolved, absolute paths
+    name: str
+    root: Path  # the sweep directory (Tune's experiment directory)
+    variants: list[dict]
+    trials: int  # grid points × num_samples
+    targets: Path
+    base: dict  # the trials' common config tree (to_dict), before a variant's overrides
+
+    @property
+    def concurrent(self) -> int:
+        return min(self.cfg.sweep.max_concurrent_trials, self.trials)
+
+
+def plan(cfg: PipelineConfig) -> Plan:
+    """Everything the sweep will do, validated; writes nothing and starts no Ray (see the module docstring)."""
+    from pipelines.identity import teacher_identity
+    from pipelines.precompute import TargetsError, open_targets
+    from pipelines.train import _strategy, targets_path
+
+    cfg = dataclasses.replace(cfg, home=str(cfg.home_dir()))
+    sw = cfg.sweep
+    points = variants(cfg)
+    if not points:
+        raise ConfigError("the sweep has no trials: sweep.scorers, sweep.lrs or sweep.budgets is empty")
+
+    # 1. every window the sweep uses must be precomputed (targets depend on the window only)
+    windows = sorted({p["budget.window"] for p in points})
+    missing = [w for w in windows if w not in cfg.precompute.windows]
+    if missing:
+        raise ConfigError(f"sweep.budgets use windows {missing} that precompute.windows={list(cfg.precompute.windows)} "
+                          f"does not cover: add them to precompute.windows and run precompute again (targets depend "
+                          f"on the window)")
+    path = targets_path(cfg)
+    teacher = teacher_identity(cfg)
+    targets = open_targets(path, teacher_sha256=teacher["weights_sha256"], seq_len=cfg.data.seq_len)
+    absent = [w for w in windows if w not in targets.identity["windows"]]
+    if absent:
+        raise TargetsError(f"the targets at {path} hold windows {targets.identity['windows']}, the sweep also needs "
+                           f"{absent}: precompute with precompute.windows containing them")
+
+    # 2. every trial's config, built and validated now (a bad grid value fails here, not in trial 7)
+    name = sw.name or f"{cfg.name}-sweep-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
+    root = sweep_root(cfg) / name
+    if root.exists():
+        raise ConfigError(f"sweep directory {root} already exists: pick another sweep.name (or remove it)")
+    base = cfg.to_dict()
+    base["model"]["path"] = str(cfg.model.resolved_path())  # trials may run in another working directory,
+    base["tracking"]["uri"] = cfg.tracking_uri()  # on another node, with another environment
+    base["train"].update(steps=sw.steps, targets=str(targets.path), output_root=str(root / TRIALS_DIR), run_name="",
+                         fail_at_step=0)
+    for point in points:
+        overrides = dict(point)
+        if sw.lr_range:
+            overrides["train.lr"] = float(sw.lr_range[0])
+        label = variant_label(overrides)
+        try:
+            trial = apply_overrides(base, overrides)
+        except ConfigError as err:
+            raise ConfigError(f"sweep trial {label}: {err}") from None
+        if trial.budget.topk < 1:
+            raise ConfigError(f"sweep trial {label}: budget.topk is 0, there is no eviction decision to learn")
+        try:
+            _strategy(trial)
+        except ConfigError as err:
+            raise ConfigError(f"sweep trial {label}: {err}") from None
+        per_epoch = targets.num_rows // trial.train.num_workers // trial.train.batch_size
+        if per_epoch < 1:
+            raise ConfigError(f"sweep trial {label}: train.batch_size × train.num_workers needs more than the "
+                              f"{targets.num_rows} precomputed sequences")
+    return Plan(cfg, name, root, points, len(points) * sw.num_samples, targets.path, base)
+
+
+def _check_cluster(p: Plan) -> None:
+    """The concurrent trials must leave Ray Data a CPU (else the workers starve it: NOTES.md), and fit the GPUs."""
+    import ray
+
+    resources = ray.cluster_resources()
+    cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    t = p.cfg.train
+    workers = max(int(v.get("train.num_workers", t.num_workers)) for v in p.variants)
+    per_trial = max(float(v.get("train.num_workers", t.num_workers)) * float(v.get("train.cpus_per_worker",
+                                                                                   t.cpus_per_worker))
+                    for v in p.variants) + DRIVER_CPUS
+    if p.concurrent * per_trial >= cpus:
+        raise ConfigError(f"{p.concurrent} concurrent trials × {per_trial:g} CPUs (train.num_workers × "
+                          f"train.cpus_per_worker + the trial driver) leave none of the cluster's {cpus:g} CPUs to Ray "
+                          f"Data, which would hang: lower sweep.max_concurrent_trials or the workers' CPUs, or raise "
+                          f"ray.num_cpus")
+    if t.use_gpu and workers > gpus:
+        raise ConfigError(f"a trial needs {workers} GPUs (train.num_workers with train.use_gpu); the cluster has "
+                          f"{gpus:g}")
+
+
+# ------------------------------------------------------------------------------------------------ one trial
+def _trial(config: dict, *, base: dict, info: dict) -> None:
+    """The Tune function trainable: one trial = one TorchTrainer run, reported to Tune step by step."""
+    import mlflow
+    import ray.exceptions
+    import ray.tune
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from pipelines import tracking, train
+    from pipelines.precompute import open_targets
+
+    overrides = trial_overrides(config)
+    cfg = apply_overrides(base, overrides)
+    trial_id = ray.tune.get_context().get_trial_id()
+    label = variant_label(overrides)
+    run_id = tracking.create_run(cfg, f"{label}-{trial_id}", stage="sweep-trial", parent_run_id=info["parent_run_id"],
+                                 tags={"kvpop.sweep": info["name"], "kvpop.trial_id": trial_id,
+                                       "kvpop.variant": label})
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    try:
+        targets = open_targets(cfg.train.targets, verify=False)  # verified by the driver's plan
+        strategy, precision = train._strategy(cfg)
+        for key, value in {"kvpop.strategy": strategy, "kvpop.precision": precision}.items():
+            client.set_tag(run_id, key, value)
+        trainer = train.make_trainer(cfg, targets, f"{info['name']}-{trial_id}", Path(cfg.train.output_root),
+                                     strategy, precision, run_id, callbacks=(TuneReportCallback(),),
+                                     report_every_step=True, save_final=False)
+        trainer.fit()
+    except ray.exceptions.ActorDiedError:
+        # ASHA stopped this trial: Tune ends this actor, which kills the Train controller it owns (the driver marks
+        # the run KILLED); nothing to record here
+        raise
+    except Exception:
+        _end_run(client, run_id, "FAILED")
+        raise
+    _end_run(client, run_id, "FINISHED")
+
+
+def _end_run(client, run_id: str, status: str) -> None:
+    """End a trial's run unless the driver already did (its reconciliation after the sweep is authoritative)."""
+    if client.get_run(run_id).info.status == "RUNNING":
+        client.set_terminated(run_id, status)
+
+
+# ------------------------------------------------------------------------------------------------ the driver
+@dataclass
+class SweepResult:
+    name: str
+    root: Path
+    parent_run_id: str
+    best_config: PipelineConfig
+    best_path: Path
+    best_value: float
+    best_run_id: str
+    trials: list[dict] = field(default_factory=list)  # one row per trial: ids, variant, status, last metrics
+
+
+def best_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> PipelineConfig:
+    """The input config with a trial's variant applied (steps, targets, storage: the input's own)."""
+    return apply_overrides(cfg.to_dict(), overrides)
+
+
+def write_best(path: Path, best: PipelineConfig, header: str) -> None:
+    import yaml
+
+    from pipelines.identity import atomic_write_text
+
+    body = yaml.safe_dump(best.to_dict(), sort_keys=False)
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
+    atomic_write_text(path, comment + body)
+    if load_config(path) != best:  # the preset must load back to exactly this config
+        raise RuntimeError(f"{path} does not load back to the best config")
+
+
+def run(cfg: PipelineConfig) -> SweepResult:
+    """Run the sweep; returns the best config (also saved as ``<sweep dir>/best.yaml``) and one row per trial."""
+    import mlflow
+    import ray.tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    from pipelines import tracking
+    from pipelines.cluster import ensure_ray
+
+    original = cfg
+    p = plan(cfg)  # one clear error before anything is written
+    cfg, sw = p.cfg, p.cfg.sweep
+    ensure_ray(cfg)
+    _check_cluster(p)
+
+    print(f"[kvpop.sweep] {p.name}: {p.trials} trials ({len(p.variants)} grid points × {sw.num_samples}), "
+          f"{p.concurrent} at a time, ASHA on {sw.metric} ({sw.mode}) over {sw.steps} steps, grace "
+          f"{sw.grace_period}, reduction {sw.reduction_factor}; {p.root}", flush=True)
+    with tracking.run(cfg, p.name, stage="sweep", tags={"kvpop.sweep": p.name, "kvpop.sweep_dir": str(p.root),
+                                                        "kvpop.targets": str(p.targets)}) as parent:
+        parent_id = parent.info.run_id
+        mlflow.log_params({"sweep.trials": p.trials, "sweep.grid_points": len(p.variants)})
+        param_space: dict[str, Any] = {"variant": ray.tune.grid_search(p.variants)}
+        if sw.lr_range:
+            param_space["lr"] = ray.tune.loguniform(*sw.lr_range)
+        trainable = ray.tune.with_resources(
+            ray.tune.with_parameters(_trial, base=p.base, info={"name": p.name, "parent_run_id": parent_id}),
+            {"cpu": DRIVER_CPUS})
+        tuner = ray.tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=ray.tune.TuneConfig(
+                metric=sw.metric, mode=sw.mode, num_samples=sw.num_samples,
+                max_concurrent_trials=sw.max_concurrent_trials, reuse_actors=False,
+                # stop_last_trials=False: a trial that reaches max_t ends by returning, not by being stopped
+                scheduler=ASHAScheduler(time_attr="step", max_t=sw.steps, grace_period=sw.grace_period,
+                                        reduction_factor=sw.reduction_factor, stop_last_trials=False)),
+            run_config=ray.tune.RunConfig(name=p.name, storage_path=str(p.root.parent), verbose=1),
+        )
+        grid = tuner.fit()
+        trials = _close_trials(cfg, p, grid, parent.info.experiment_id, parent_id)
+        mlflow.log_dict(trials, "sweep/trials.json")
+        mlflow.log_metrics({"trials.finished": sum(t["status"] == "FINISHED" for t in trials),
+                            "trials.early_stopped": sum(t["early_stopped"] for t in trials),
+                            "trials.failed": sum(t["status"] == "FAILED" for t in trials)})
+        scored = [t for t in trials if t["status"] != "FAILED" and t["metrics"].get(sw.metric) is not None]
+        if not scored:
+            errors = [t["error"] for t in trials if t.get("error")]
+            raise RuntimeError(f"every trial of sweep {p.name} failed" + (f"; the first: {errors[0]}" if errors else ""))
+        # the best trial by its last reported value (ASHA's view; a stopped trial competes with what it reached)
+        best = (min if sw.mode == "min" else max)(scored, key=lambda t: t["metrics"][sw.metric])
+        chosen = best_config(original, best["overrides"])
+        best_path = p.root / BEST_CONFIG
+        write_best(best_path, chosen, f"best config of sweep {p.name} (MLflow parent run {parent_id}): trial "
+                                      f"{best['trial_id']} {best['variant']}, {sw.metric} = "
+                                      f"{best['metrics'][sw.metric]:.6g} at step {best['steps']}\n"
+                                      f"train it: python -m jobs.train --config {best_path}")
+        mlflow.log_artifact(str(best_path), artifact_path="sweep")
+        mlflow.log_metric(f"best.{sw.metric}", float(best["metrics"][sw.metric]))
+        mlflow.log_params({f"best.{k}": v for k, v in best["overrides"].items()})
+        mlflow.set_tags({"kvpop.best_trial": best["trial_id"], "kvpop.best_run_id": best["run_id"] or "",
+                         "kvpop.best_variant": best["variant"], "kvpop.best_config": str(best_path)})
+    print(f"[kvpop.sweep] best: {best['variant']} ({sw.metric} {best['metrics'][sw.metric]:.4g}) → {best_path}",
+          flush=True)
+    return SweepResult(p.name, p.root, parent_id, chosen, best_path, float(best["metrics"][sw.metric]),
+                       best["run_id"] or "", trials)
+
+
+def _close_trials(cfg: PipelineConfig, p: Plan, grid, experiment_id: str, parent_id: str) -> list[dict]:
+    """One row per trial; every child MLflow run ends FINISHED, FAILED or KILLED (+ ``kvpop.early_stopped``)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    children = client.search_runs([experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'",
+                                  max_results=10000)
+    by_trial = {r.data.tags.get("kvpop.trial_id"): r for r in children}
+    rows = []
+    for result in grid:
+        metrics = dict(result.metrics or {})
+        trial_id = metrics.get("trial_id") or next(  # a trial that never reported: its id is in its directory name
+            (t for t in by_trial if t and t in Path(result.path).name), Path(result.path).name)
+        overrides = trial_overrides(result.config)
+        steps = int(metrics.get("step", 0))
+        error = None if result.error is None else (str(result.error).strip().splitlines() or [""])[0]
+        run = by_trial.get(trial_id)
+        if error:
+            status = "FAILED"
+        elif steps >= p.cfg.sweep.steps:
+            status = "FINISHED"
+        else:
+            status = "KILLED"  # stopped by ASHA before its last step
+        early = status == "KILLED"
+        if run is not None:
+            if run.info.status != status:
+                client.set_terminated(run.info.run_id, status)
+            client.set_tag(run.info.run_id, "kvpop.early_stopped", str(early).lower())
+            if error:
+                client.set_tag(run.info.run_id, "kvpop.error", error[:5000])
+        rows.append({"trial_id": trial_id, "run_id": run.info.run_id if run else None,
+                     "variant": variant_label(overrides), "overrides": overrides, "status": status,
+                     "early_stopped": early, "steps": steps, "error": error,
+                     "metrics": {k: metrics[k] for k in ("loss", "ret_loss", "kl", "boundary_acc", "tokens_per_s")
+                                 if isinstance(metrics.get(k), (int, float))}})
+    return rows
+
+
+def _main() -> None:  # pragma: no cover - jobs/sweep.py is the CLI
+    import sys
+
+    args = sys.argv[1:]
+    path = args[0] if args and "=" not in args[0] else None
+    print(run(load_config(path, [a for a in args if "=" in a])))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _main()

@@ -1,0 +1,61 @@
+"""configs/ presets load and validate; infra/ manifests parse (and the cluster launcher YAML fits Ray's schema)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.config import REPO_ROOT, load_config
+
+PRESETS = sorted((REPO_ROOT / "configs").glob("*.yaml"))
+
+
+def test_the_expected_presets_exist():
+    assert {"default.yaml", "smollm2.yaml", "qwen3-4b.yaml", "qwen3-8b.yaml"} <= {p.name for p in PRESETS}
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
+def test_every_preset_loads_and_validates(path):
+    cfg = load_config(path)
+    assert cfg.budget.window in cfg.precompute.windows
+    assert cfg.budget.budget().total <= cfg.data.seq_len
+    for window in {b[1] for b in cfg.sweep.budgets}:
+        assert window in cfg.precompute.windows, f"{path.name}: sweep window {window} has no targets"
+    assert yaml.safe_load(path.read_text())  # nothing but a mapping
+
+
+def test_default_yaml_is_the_embedded_default():
+    assert load_config(REPO_ROOT / "configs" / "default.yaml") == load_config()
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b", "qwen3-8b"])
+def test_the_paper_presets(name):
+    cfg = load_config(REPO_ROOT / "configs" / f"{name}.yaml")
+    assert cfg.data.seq_len == 16384 and "Nemotron-Math-v2" in cfg.data.source
+    assert cfg.budget.budget().total == 4096 and sorted(cfg.eval.budgets) == [2048, 4096]
+    assert (cfg.train.num_workers, cfg.train.use_gpu, cfg.train.strategy, cfg.train.precision) == (8, True, "fsdp",
+                                                                                                   "bf16")
+    assert cfg.model.dtype == "bfloat16" and cfg.precompute.top_k == 256 and cfg.train.mode == "distill"
+    assert name.split("-")[1].upper() in cfg.model.path
+
+
+def test_infra_manifests():
+    import jsonschema
+    import ray
+    from ray.runtime_env import RuntimeEnv
+
+    infra = REPO_ROOT / "infra"
+    cluster = yaml.safe_load((infra / "cluster.yaml").read_text())
+    schema = json.loads((Path(ray.__file__).parent / "autoscaler" / "ray-schema.json").read_text())
+    jsonschema.validate(cluster, schema)
+    RuntimeEnv(**yaml.safe_load((infra / "runtime_env.yaml").read_text()))
+    job = yaml.safe_load((infra / "kuberay-rayjob.yaml").read_text())
+    assert job["kind"] == "RayJob" and job["spec"]["entrypoint"].startswith("python -m jobs.pipeline --config configs/")
+    RuntimeEnv(**yaml.safe_load(job["spec"]["runtimeEnvYAML"]))
+    preset = job["spec"]["entrypoint"].split("--config ")[1].split()[0]
+    load_config(REPO_ROOT / preset)
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    assert head[0]["name"] == "ray-head" and "command" not in head[0]  # KubeRay generates the Ray container's command
+    assert head[1]["command"][:2] == ["mlflow", "server"]

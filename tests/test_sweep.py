@@ -1,0 +1,121 @@
+"""pipelines.sweep: Ray Tune over TorchTrainer trials (Train V2 pattern), ASHA, nested MLflow runs, the best preset."""
+from __future__ import annotations
+
+import pytest
+
+from pipelines import sweep
+from pipelines.config import ConfigError, load_config
+from pipelines.precompute import TargetsError
+from tests.pipeline_helpers import tiny_config
+
+pytestmark = pytest.mark.pretrained  # the tiny teachers use SmolLM2's tokenizer
+
+SWEEP = ["train.num_workers=1", "train.cpus_per_worker=1", "train.batch_size=2", "train.checkpoint_every=4",
+         "train.lr=0.01", "sweep.scorers=[mlp, mlstm]", "sweep.budgets=[[4, 16, 8]]", "sweep.steps=4",
+         "sweep.grace_period=2", "sweep.reduction_factor=2", "sweep.max_concurrent_trials=2", "sweep.metric=kl"]
+# one trial after the other, the second with a learning rate so large that it diverges: at the grace period (step 2)
+# ASHA compares it with the first one's value at step 2 and stops it (deterministic)
+EARLY_STOP = ["sweep.scorers=[mlstm]", "sweep.lrs=[1e-07, 1.0]", "sweep.metric=ret_loss",
+              "sweep.max_concurrent_trials=1"]
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_trial_sweep_asha_nested_mlflow_runs_and_best_preset(tiny_targets, tiny_setup):
+    import mlflow
+
+    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *SWEEP, *EARLY_STOP, "sweep.name=two-trials")
+    result = sweep.run(cfg)
+
+    # Tune's view: the first trial ran its 4 steps, ASHA stopped the diverging one at the grace period
+    rows = {t["overrides"]["train.lr"]: t for t in result.trials}
+    assert set(rows) == {1e-07, 1.0}
+    assert (rows[1e-07]["status"], rows[1e-07]["steps"], rows[1e-07]["early_stopped"]) == ("FINISHED", 4, False)
+    assert (rows[1.0]["status"], rows[1.0]["steps"], rows[1.0]["early_stopped"]) == ("KILLED", 2, True)
+
+    # the best config: a loadable preset, the winner's variant on the input config (train.steps kept)
+    assert result.best_path == result.root / "best.yaml" and result.best_path.is_file()
+    best = load_config(result.best_path)
+    assert best == result.best_config
+    assert (best.train.scorer, best.train.lr, best.budget.sink, best.budget.window, best.budget.topk) == \
+        ("mlstm", 1e-07, 4, 16, 8)
+    assert best.train.steps == cfg.train.steps and best.train.targets == "" and best.name == cfg.name
+
+    # one parent run, two children with the trial config as params and per-step metric histories
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    parent = client.get_run(result.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["kvpop.stage"] == "sweep"
+    assert parent.info.run_name == "two-trials"
+    assert parent.data.metrics["best.ret_loss"] == pytest.approx(result.best_value)
+    assert parent.data.metrics["trials.early_stopped"] == 1
+    assert parent.data.tags["kvpop.best_run_id"] == result.best_run_id == rows[1e-07]["run_id"]
+    artifacts = {a.path for a in client.list_artifacts(result.parent_run_id, "sweep")}
+    assert {"sweep/best.yaml", "sweep/trials.json"} <= artifacts
+    children = client.search_runs([parent.info.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    assert {c.info.run_id for c in children} == {rows[1e-07]["run_id"], rows[1.0]["run_id"]}
+    for child in children:
+        lr = float(child.data.params["train.lr"])
+        assert child.data.params["train.scorer"] == "mlstm" and child.data.params["budget.window"] == "16"
+        assert child.data.params["train.steps"] == "4"
+        assert child.data.tags["kvpop.stage"] == "sweep-trial" and child.data.tags["kvpop.sweep"] == "two-trials"
+        assert child.data.tags["kvpop.trial_id"] == rows[lr]["trial_id"]
+        assert child.info.status == rows[lr]["status"]
+        assert child.data.tags["kvpop.early_stopped"] == ("true" if lr == 1.0 else "false")
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "ret_loss")]
+        assert steps[:2] == [1, 2]  # a stopped trial may log a step or two more while its actors go
+        for key in ("kl", "boundary_acc", "loss", "tokens_per_s"):
+            assert client.get_metric_history(child.info.run_id, key)
+    assert [m.step for m in client.get_metric_history(result.best_run_id, "ret_loss")] == [1, 2, 3, 4]
+
+
+def test_grid_and_sampled_learning_rates():
+    cfg = load_config(None, ["sweep.scorers=[mlp, mlstm, mlstm_immediate]", "sweep.lrs=[0.01, 0.001]",
+                             "sweep.budgets=[[4, 32, 96], [4, 64, 64]]", "precompute.windows=[32, 64]",
+                             "sweep.grid={train.beta: [0.5, 1.0]}"])
+    points = sweep.variants(cfg)
+    assert len(points) == 3 * 2 * 2 * 2
+    assert points[0] == {"train.scorer": "mlp", "train.lr": 0.01, "budget.sink": 4, "budget.window": 32,
+                         "budget.topk": 96, "train.beta": 0.5}
+    assert sweep.variant_label(points[0]) == "mlp-s4-w32-k96-lr0.01-beta0.5"
+    ranged = load_config(None, ["sweep.scorers=[mlp]", "sweep.lr_range=[0.0001, 0.01]", "sweep.num_samples=3"])
+    assert sweep.variants(ranged) == [{"train.scorer": "mlp", "budget.sink": 4, "budget.window": 32,
+                                       "budget.topk": 96}]
+    assert sweep.trial_overrides({"variant": sweep.variants(ranged)[0], "lr": 0.002})["train.lr"] == 0.002
+    best = sweep.best_config(ranged, {"train.scorer": "mlp", "train.lr": 0.002, "budget.topk": 64})
+    assert (best.train.scorer, best.train.lr, best.budget.topk, best.train.steps) == ("mlp", 0.002, 64, 30)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["sweep.num_samples=4"], "repeats identical trials"),
+    (["sweep.lrs=[0.01]", "sweep.lr_range=[0.001, 0.1]"], "exclude each other"),
+    (["sweep.scorers=[lstm]"], "unknown scorer 'lstm'"),
+    (["sweep.metric=accuracy"], "sweep.metric must be one of"),
+    (["sweep.grace_period=30"], "grace_period must be between 1 and sweep.steps"),
+    (["sweep.grid={train.steps: [5, 10]}"], "set by the sweep itself"),
+    (["sweep.grid={budget.sink: [1, 2]}"], "not a train.\\* key"),
+])
+def test_bad_sweep_sections_are_config_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_plan_needs_targets_for_every_window_and_writes_nothing(tiny_targets, tiny_setup, tmp_path):
+    home = tmp_path / "home"
+    # a window outside precompute.windows: refused from the config alone
+    cfg = tiny_config(tiny_setup, home, *SWEEP, "sweep.budgets=[[4, 8, 16], [4, 32, 8]]")
+    with pytest.raises(ConfigError, match="windows \\[32\\] that precompute.windows=\\[8, 16\\] does not cover"):
+        sweep.plan(cfg)
+    # in precompute.windows, but the (explicit) targets were computed without it
+    cfg = tiny_config(tiny_setup, home, *SWEEP, "sweep.budgets=[[4, 32, 8]]", "precompute.windows=[8, 16, 32]",
+                      f"train.targets={tiny_targets[1].path}")
+    with pytest.raises(TargetsError, match="the sweep also needs \\[32\\]"):
+        sweep.plan(cfg)
+    # a grid value that breaks a trial's config: named by trial
+    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *SWEEP, "sweep.budgets=[[4, 16, 60]]")
+    with pytest.raises(ConfigError, match="sweep trial mlp-s4-w16-k60-lr0.01: budget .* more than data.seq_len"):
+        sweep.plan(cfg)
+    ok = sweep.plan(tiny_config(tiny_setup, tiny_targets[0].home_dir(), *SWEEP))
+    assert ok.trials == 2 and ok.concurrent == 2 and ok.base["train"]["steps"] == 4
+    assert not ok.root.exists()
+    assert not any(p for p in home.rglob("*") if p.is_file() and p.parent.name != "cache")
