@@ -81,6 +81,7 @@ def time_steps(step, n, device) -> float:
 @torch.no_grad()
 def run_config(model, policy, length, batch, args, device, bandwidth):
     import kvpop
+    from kvpop.cache import CACHE_KWARG
     from transformers import DynamicCache
 
     cfg = model.config
@@ -101,7 +102,7 @@ def run_config(model, policy, length, batch, args, device, bandwidth):
     else:
         kvpop.set_policy(model, policy, kvpop.Budget(*args["budget"]))
         cache = kvpop.KVpopCache(model)
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
     _sync(device)
     row["prefill_s"] = time.perf_counter() - t0
     if device.type == "cuda":
@@ -110,7 +111,7 @@ def run_config(model, policy, length, batch, args, device, bandwidth):
     position = torch.full((batch, 1), length, device=device)
 
     def eager():
-        model(input_ids=step_ids, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=step_ids, position_ids=position, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
         position.add_(1)
 
     row["eager_ms"] = 1e3 * time_steps(eager, args["eager_steps"], device)

@@ -21,11 +21,17 @@ from __future__ import annotations
 import functools
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.attention import retention_attention, slot_attention
 from kvpop.policies.base import LayerView, Policy
 from kvpop.retention import eviction_positions, retained
+
+# transformers 5.24 renamed the `past_key_values` argument of forward/generate to `cache` (the old name warns until
+# 5.40 / 6.0); 5.17 knows only the old one
+CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
 
 
 class KVpopLayer(CacheLayerMixin):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpop.cache import KVpopCache
+from kvpop.cache import CACHE_KWARG, KVpopCache
 
 
 @torch.no_grad()
@@ -21,7 +21,7 @@ def teacher_forced_logits(model, input_ids: torch.Tensor, *, prefill: int = 0, c
     logits = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         mask = None if attention_mask is None else attention_mask[:, :end]
-        out = model(input_ids=input_ids[:, start:end], attention_mask=mask, past_key_values=cache, use_cache=True)
+        out = model(input_ids=input_ids[:, start:end], attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache})
         logits.append(out.logits)
     return torch.cat(logits, dim=1)
 
@@ -46,7 +46,7 @@ class GraphedDecoder:
             yield from (layer.scorer_state or {}).values()
 
     def _forward(self):
-        return self.model(input_ids=self.ids, position_ids=self.pos, past_key_values=self.cache, use_cache=True).logits
+        return self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, **{CACHE_KWARG: self.cache}).logits
 
     def _capture(self):
         snapshot = [t.clone() for t in self._tensors()]

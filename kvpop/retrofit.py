@@ -19,7 +19,7 @@ from transformers import AttentionInterface
 
 from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
-from kvpop.cache import KVpopCache
+from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
@@ -127,8 +127,9 @@ def _generate_with_kvpop_cache(self, *args, **kwargs):
     """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache)."""
     if self.kvpop_runtime.policy.budget is not None and kwargs.get("past_key_values") is None \
             and kwargs.get("cache") is None:
-        kwargs["past_key_values"] = KVpopCache(self)
+        kwargs[CACHE_KWARG] = KVpopCache(self)
     return type(self).generate(self, *args, **kwargs)
+
 
 
 def runtime_of(model: nn.Module) -> Runtime:
