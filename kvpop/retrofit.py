@@ -140,8 +140,13 @@ def runtime_of(model: nn.Module) -> Runtime:
 
 
 def set_policy(model: nn.Module, policy: str | Policy, budget: Budget | None = None, **options) -> Policy:
-    """Switch the policy (and budget) of a retrofitted model, e.g. to evaluate baselines at the same budget."""
+    """Switch the policy (and budget) of a retrofitted model, e.g. to evaluate baselines at the same budget.
+
+    The recency term (METHOD §3) is the model's: it carries over unless ``recency=`` is given.
+    """
     runtime = runtime_of(model)
+    if not isinstance(policy, Policy) and policy != "dense":
+        options.setdefault("recency", runtime.policy.recency)
     pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, **options)
     if pol.budget is not None and runtime.scorer_spec is not None and pol.name == "kvpop":
         window = attention_modules(model)[0].kvpop_scorer.window

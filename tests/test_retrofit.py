@@ -107,3 +107,10 @@ def test_padding_in_the_middle_is_refused():
     mask[0, 5] = 0
     with pytest.raises(ValueError, match="contiguous"):
         model(torch.randint(1, 97, (1, 10)), attention_mask=mask, use_cache=False)
+
+
+def test_set_policy_keeps_the_recency_term():
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, Budget(1, 2, 3), scorer="mlp", recency=0.05)
+    assert kvpop.set_policy(model, "oracle", Budget(1, 2, 5)).recency == 0.05
+    assert kvpop.set_policy(model, "kvpop", Budget(1, 2, 5), recency=0.0).recency == 0.0
