@@ -51,7 +51,7 @@ def _bad_inputs(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "budget_over_context": (model + ["--set", "data.seq_len=4096", "--set", "budget.topk=2000"],
                                 "more than the model's context of 1024"),
         "budget_negative": (model + ["--set", "budget.sink=-1"], "budget: Budget.sink must be"),
-        "window_without_targets": (model + ["--set", "budget.window=64"], "add it to precompute.windows"),
+        "window_without_targets": (model + ["--set", "budget.window=48"], "add it to precompute.windows"),
         "eval_budget_below_sink_window": (model + ["--set", "eval.budgets=[10]"], "impossible budget"),
         "bad_flag": (["--bogus"], "unrecognized arguments: --bogus"),
     }
@@ -107,7 +107,7 @@ def test_every_cli_module_exits_2_in_its_own_process(tiny_setup, tmp_path):
     """``python -m jobs.<stage>`` itself: the exit code, one stderr line, and an untouched KVPOP_HOME."""
     home = tmp_path / "home"
     env = {**os.environ, "KVPOP_HOME": str(home)}
-    budget = "budget s4-w32-k1000 keeps 1036 tokens, more than data.seq_len=512: nothing would be evicted"
+    budget = "budget s4-w64-k1000 keeps 1068 tokens, more than data.seq_len=512: nothing would be evicted"
     runs = {stage: (["--set", "budget.topk=1000"], budget) for stage in STAGES}
     data = ["--set", f"model.path={tiny_setup / 'teacher'}", "--set", f"data.source={tiny_setup / 'docs.jsonl'}",
             "--set", "data.text_field=body"]  # found only once the stage reads the data: datasets is imported by then
