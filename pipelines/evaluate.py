@@ -396,8 +396,9 @@ def _free_generation(model, reference, tokenizer, tasks, rows, policies, budgets
     prompts = [prompt_ids(s, tokenizer, chat) for s in samples]
     oracle_prompt_targets = {}  # window -> one [layers, Hkv, n] per prompt
     if "oracle" in policies:  # the prompt's own targets: there are none for tokens not generated yet
-        per_prompt = timed("oracle_targets", lambda: [teacher_targets(reference, torch.tensor([p], device=_device(reference)), windows)
-                                                      for p in prompts])
+        device = _device(reference)
+        per_prompt = timed("oracle_targets", lambda: [teacher_targets(reference, torch.tensor([p], device=device),
+                                                                      windows) for p in prompts])
         oracle_prompt_targets = {w: [t[w][:, 0] for t in per_prompt] for w in windows}
     combos = [("dense", budgets[0])] + [(p, b) for p in policies if p != "dense" for b in budgets]
     bar = tqdm(total=len(samples) * len(combos), desc="generation", unit="prompt", disable=not progress)
