@@ -56,8 +56,8 @@ class DataConfig:
 @dataclass(frozen=True)
 class BudgetConfig:
     sink: int = 4
-    window: int = 64  # the default run's budget B = 132 of S = 512 (CR 74%): half recent window, half learned
-    topk: int = 64
+    window: int = 64  # the default run's budget B = 100 of S = 512 (CR 80%)
+    topk: int = 32
 
     def budget(self) -> Budget:
         return Budget(self.sink, self.window, self.topk)

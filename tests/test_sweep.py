@@ -80,7 +80,7 @@ def test_grid_and_sampled_learning_rates():
     assert sweep.variant_label(points[0]) == "mlp-s4-w32-k96-lr0.01-beta0.5"
     ranged = load_config(None, ["sweep.scorers=[mlp]", "sweep.lr_range=[0.0001, 0.01]", "sweep.num_samples=3"])
     assert sweep.variants(ranged) == [{"train.scorer": "mlp", "budget.sink": 4, "budget.window": 64,
-                                       "budget.topk": 64}]
+                                       "budget.topk": 32}]
     assert sweep.trial_overrides({"variant": sweep.variants(ranged)[0], "lr": 0.002})["train.lr"] == 0.002
     best = sweep.best_config(ranged, {"train.scorer": "mlp", "train.lr": 0.002, "budget.topk": 64})
     assert (best.train.scorer, best.train.lr, best.budget.topk, best.train.steps) == ("mlp", 0.002, 64, 90)
