@@ -158,6 +158,9 @@ def main(argv=None):
     parser.add_argument("--time-limit", type=float, default=1e9, help="stop starting new configs after this (s)")
     parser.add_argument("--policies", nargs="*", default=["kvpop", "dense", "streaming"])
     parser.add_argument("--no-compile", action="store_true", help="graph the uncompiled decoding step")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run each configuration in a fresh process: peak memory without earlier configurations' "
+                             "leftovers (compile workspaces, allocator caches)")
     args = parser.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     for key in ("lengths", "batches", "steps"):
@@ -184,6 +187,8 @@ def main(argv=None):
             for p in ("kvpop", "dense") if p in args.policies]
     if "streaming" in args.policies:
         plan += [("streaming", length, batch) for batch in sorted(preset["batches"]) for length in lengths]
+    if args.isolate:
+        return _isolated(args, plan, result, out, started)
     for policy, length, batch in plan:
         model.config._attn_implementation = "sdpa" if policy == "dense" else "kvpop"
         if time.perf_counter() - started > args.time_limit:
@@ -205,14 +210,47 @@ def main(argv=None):
     return result
 
 
+def _isolated(args, plan, result, out, started):
+    """Each (policy, context, batch) in its own ``python decode.py`` process; rows gathered into one result."""
+    import subprocess
+    import sys
+    import tempfile
+
+    for policy, length, batch in plan:
+        if time.perf_counter() - started > args.time_limit:
+            result["rows"].append({"policy": policy, "context": length, "batch": batch, "skipped": "time limit"})
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            child = Path(tmp) / "row.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--preset", args.preset, "--lengths", str(length),
+                   "--batches", str(batch), "--policies", policy, "--out", str(child)]
+            cmd += (["--steps", str(args.steps)] if args.steps else []) + (["--no-compile"] if args.no_compile else [])
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            rows = json.loads(child.read_text())["rows"] if child.is_file() else []
+        if not rows:
+            rows = [{"policy": policy, "context": length, "batch": batch,
+                     "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:200]}]
+        result["rows"] += rows
+        print(json.dumps(rows[-1]), flush=True)
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+    result["isolated"] = True
+    print(table(result))
+    if out:
+        out.with_suffix(".md").write_text(table(result) + "\n")
+    return result
+
+
 def table(result) -> str:
     lines = [f"Decode on {result['device']} ({result['dtype']}, budget {tuple(result['budget'])}, weights "
              f"{result['weights_gib']:.2f} GiB, copy bandwidth {result['copy_bandwidth_gbs']:.0f} GB/s)", "",
              "| policy | context | batch | prefill s | eager ms/tok | graph ms/tok | floor ms | × floor | "
              "decode peak GiB | cache GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        if "oom" in r or "skipped" in r:
-            lines.append(f"| {r['policy']} | {r['context']} | {r['batch']} | {r.get('oom', r.get('skipped'))} |"
+        if "oom" in r or "skipped" in r or "error" in r:
+            lines.append(f"| {r['policy']} | {r['context']} | {r['batch']} | "
+                         f"{r.get('oom', r.get('skipped', r.get('error')))} |"
                          " | | | | | |")
             continue
         lines.append(f"| {r['policy']} | {r['context']} | {r['batch']} | {r['prefill_s']:.2f} | {r['eager_ms']:.2f} | "

@@ -21,7 +21,7 @@ for part in $parts; do
     # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
     quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
     kernels)    python benchmarks/kernels.py --only targets train --out "$out/kernels_h200_run3.json" ;;
-    decode)     python benchmarks/decode.py --policies streaming --out "$out/decode_h200_run3.json" ;;
+    decode)     python benchmarks/decode.py --isolate --out "$out/decode_h200_run3.json" ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
