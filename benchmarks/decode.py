@@ -204,6 +204,10 @@ def main(argv=None):
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
+    return _finish(result, out)
+
+
+def _finish(result, out):
     print(table(result))
     if out:
         out.with_suffix(".md").write_text(table(result) + "\n")
@@ -236,10 +240,7 @@ def _isolated(args, plan, result, out, started):
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
     result["isolated"] = True
-    print(table(result))
-    if out:
-        out.with_suffix(".md").write_text(table(result) + "\n")
-    return result
+    return _finish(result, out)
 
 
 def table(result) -> str:
