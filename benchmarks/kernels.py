@@ -1,8 +1,10 @@
 """Kernel benchmarks (issue 6 §2–3, issue 4's precompute cost): FlexAttention paths on one layer's shapes.
 
-1. correctness: the compiled, block-sparse retention attention vs the chunked dense-mask reference;
+1. correctness: the compiled, block-sparse retention attention and the compact path (per-query-block gathered keys,
+   forward and gradients) vs the chunked dense-mask reference;
 2. targets: the transposed target pass vs the teacher's causal forward (time, peak memory) vs S;
-3. training step: KVpop-masked forward + backward vs causal FlexAttention at 16k, block-structure cost apart;
+3. training step: KVpop-masked forward + backward (block-sparse over the causal structure, and compact) vs causal
+   FlexAttention at 16k, block-structure / index-building cost apart;
 4. precompute: ``kvpop.targets.teacher_pass`` on a SmolLM2-shaped model at S = 8192 (tokens/s, peak memory,
    share of the target pass).
 
@@ -21,10 +23,13 @@ import torch
 from kvpop import Budget
 
 PRESETS = {
-    "h200": dict(dtype="bfloat16", heads=(16, 8), head_dim=128, target_lengths=[16384, 65536],
+    # target shapes (query heads, KV heads, head_dim, S): Qwen3-0.6B's attention, and SmolLM2-135M's (the teacher
+    # the quality benchmark precomputes with)
+    "h200": dict(dtype="bfloat16", heads=(16, 8), head_dim=128,
+                 target_shapes=[(16, 8, 128, 16384), (16, 8, 128, 65536), (9, 3, 64, 8192), (9, 3, 64, 32768)],
                  train_length=16384, budget=(4, 128, 1916), reps=5, precompute_length=8192, precompute_batch=1,
                  check_length=2048),
-    "cpu-tiny": dict(dtype="float32", heads=(4, 2), head_dim=16, target_lengths=[256], train_length=256,
+    "cpu-tiny": dict(dtype="float32", heads=(4, 2), head_dim=16, target_shapes=[(4, 2, 16, 256)], train_length=256,
                      budget=(2, 16, 46), reps=1, precompute_length=128, precompute_batch=1, check_length=200),
 }
 
@@ -73,32 +78,91 @@ def check_correctness(p, device, dtype):
         fast = retention_attention(q, k, v, backend="flex", **kw).float()
         ref = retention_attention(q.float(), k.float(), v.float(), backend="chunked", **kw)
         rows.append({"pad": pad, "max_abs_err": (fast - ref).abs().max().item()})
+        if pad == 0:
+            rows.append(_check_compact(q, k, v, evict, kw))
     return rows
+
+
+def _check_compact(q, k, v, evict, kw):
+    """The compact path (flex on CUDA; its SDPA kernel on CPU, where flex has no backward) vs chunked, with grads."""
+    from kvpop.attention import compact_retention_attention, retention_attention
+
+    kernel = "flex" if q.is_cuda else "sdpa"
+    upstream = torch.randn(q.shape[0], q.shape[2], q.shape[1], q.shape[3], device=q.device)
+
+    def out_and_grads(inputs, attend):
+        inputs = [x.detach().requires_grad_() for x in inputs]
+        out = attend(*inputs)
+        return [out.float(), *torch.autograd.grad((out.float() * upstream).sum(), inputs)]
+
+    fast = out_and_grads((q, k, v), lambda *x: compact_retention_attention(
+        *x, evict, kw["budget"], scale=kw["scale"], kernel=kernel))
+    ref = out_and_grads((q.float(), k.float(), v.float()), lambda *x: retention_attention(*x, backend="chunked", **kw))
+    out_err, *grad_errs = ((a.float() - b).abs().max().item() for a, b in zip(fast, ref))
+    return {"pad": 0, "path": f"compact ({kernel})", "max_abs_err": out_err,
+            **{f"{name}_max_abs_err": err for name, err in zip(("dq", "dk", "dv"), grad_errs)}}
 
 
 def bench_targets(p, device, dtype):
+    """The target pass vs the causal forward it follows, plus two probes of where its time goes (CUDA):
+    without the LSE score_mod (not a valid target: the mod's cost), and carrying ``exp(-LSE)`` in the value instead
+    of subtracting it in a score_mod (same targets up to bf16 rounding of the output)."""
     from kvpop.targets import causal_attention_with_lse, future_attention_targets
 
-    hq, hkv = p["heads"]
     rows = []
-    for size in p["target_lengths"]:
-        q = torch.randn(1, hq, size, p["head_dim"], device=device, dtype=dtype)
-        k = torch.randn(1, hkv, size, p["head_dim"], device=device, dtype=dtype)
+    for hq, hkv, dim, size in p["target_shapes"]:
+        q = torch.randn(1, hq, size, dim, device=device, dtype=dtype)
+        k = torch.randn(1, hkv, size, dim, device=device, dtype=dtype)
         v = torch.randn_like(k)
-        scale = p["head_dim"] ** -0.5
+        scale = dim ** -0.5
+        window = p["budget"][1]
         t_fwd, m_fwd, (_, lse) = timed(lambda: causal_attention_with_lse(q, k, v, scale=scale), device, p["reps"])
-        t_tgt, m_tgt, _ = timed(lambda: future_attention_targets(q, k, p["budget"][1], lse=lse, scale=scale),
+        t_tgt, m_tgt, y = timed(lambda: future_attention_targets(q, k, window, lse=lse, scale=scale),
                                 device, p["reps"])
-        rows.append({"S": size, "forward_ms": 1e3 * t_fwd, "targets_ms": 1e3 * t_tgt, "ratio": t_tgt / t_fwd,
-                     "forward_peak_gib": m_fwd, "targets_peak_gib": m_tgt})
+        row = {"heads": [hq, hkv], "head_dim": dim, "S": size, "forward_ms": 1e3 * t_fwd, "targets_ms": 1e3 * t_tgt,
+               "ratio": t_tgt / t_fwd, "forward_peak_gib": m_fwd, "targets_peak_gib": m_tgt}
+        if device.type == "cuda":
+            row.update(_target_probes(q, k, lse, window, scale, y, t_fwd, p["reps"], device))
+        rows.append(row)
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _target_probes(q, k, lse, window, scale, reference, t_fwd, reps, device):
+    from kvpop.targets import _compiled_flex, _future_block_mask
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    _, hq, size, _ = q.shape
+    group = hq // k.shape[1]
+    rows_in = k.repeat_interleave(group, dim=1)
+    block_mask = _future_block_mask(size, window, str(q.device))
+    narrow = q.new_zeros(1, hq, size, 16)
+    flex = _compiled_flex()
+
+    def no_mod():
+        return flex(rows_in, q, narrow, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))[1].lse
+
+    def lse_in_value():  # Σ_d exp(s_td - lse_d) = out_t · exp(rowLSE_t) with v_d = exp(-lse_d)
+        value = narrow.clone()
+        value[..., 0] = torch.exp(-lse).to(q.dtype)
+        out, aux = flex(rows_in, q, value, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+        log_mass = out[..., 0].float().log() + aux.lse.float()
+        count = (size - torch.arange(size, device=q.device) - window).clamp(min=1).float()
+        y = (log_mass - count.log()).view(1, -1, group, size).amax(2)
+        return torch.where(torch.isfinite(reference), y, reference)
+
+    t_nomod, _, _ = timed(no_mod, device, reps)
+    t_value, m_value, y_value = timed(lse_in_value, device, reps)
+    finite = torch.isfinite(reference)
+    return {"no_score_mod_ms": 1e3 * t_nomod, "no_score_mod_ratio": t_nomod / t_fwd,
+            "lse_in_value_ms": 1e3 * t_value, "lse_in_value_ratio": t_value / t_fwd, "lse_in_value_peak_gib": m_value,
+            "lse_in_value_max_abs_diff": (y_value - reference)[finite].abs().max().item()}
 
 
 def bench_train_step(p, device, dtype):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from kvpop.attention import flex
+    from kvpop.attention import compact_layout, compact_retention_attention, flex
     from kvpop.retention import eviction_positions
 
     hq, hkv = p["heads"]
@@ -133,14 +197,34 @@ def bench_train_step(p, device, dtype):
             return out
         return run
 
-    t_c, m_c, _ = timed(step(causal_bm), device, p["reps"])
-    t_k, m_k, _ = timed(step(kv_bm), device, p["reps"])
-    density = (kv_bm.kv_num_blocks.sum() + kv_bm.full_kv_num_blocks.sum()).item() / max(
-        1, (causal_bm.kv_num_blocks.sum() + causal_bm.full_kv_num_blocks.sum()).item())
-    row = {"S": size, "budget": list(p["budget"]), "causal_fwd_bwd_ms": 1e3 * t_c, "kvpop_fwd_bwd_ms": 1e3 * t_k,
-           "ratio": t_k / t_c, "eviction_positions_ms": 1e3 * t_evict, "block_structure_ms": 1e3 * t_struct,
-           "causal_create_block_mask_ms": 1e3 * t_causal_mask, "block_density_vs_causal": density,
-           "causal_peak_gib": m_c, "kvpop_peak_gib": m_k}
+    evict = eviction_positions(prio, budget)
+    kernel = "flex" if device.type == "cuda" else "sdpa"
+
+    def compact_step():  # a layer's whole work: index lists, gather, attention, backward through the gather
+        out = compact_retention_attention(q, k, v, evict, budget, scale=p["head_dim"] ** -0.5, kernel=kernel)
+        out.float().sum().backward()
+        return out
+
+    t_index, _, layout = timed(lambda: compact_layout(evict, budget), device, p["reps"])
+    t_p, m_p, _ = timed(compact_step, device, p["reps"])
+    if device.type == "cuda":
+        t_c, m_c, _ = timed(step(causal_bm), device, p["reps"])
+        t_k, m_k, _ = timed(step(kv_bm), device, p["reps"])
+    else:
+        print("cpu: FlexAttention has no backward here: causal / KVpop-masked flex steps skipped, the compact path "
+              "timed through its SDPA kernel", flush=True)
+        t_c = m_c = t_k = m_k = None
+    ms = lambda t: None if t is None else 1e3 * t  # noqa: E731
+    listed = lambda bm: sum(int(n.sum()) for n in (bm.kv_num_blocks, bm.full_kv_num_blocks) if n is not None)  # noqa
+    density = listed(kv_bm) / max(1, listed(causal_bm))  # (a structure without full blocks has none listed)
+    row = {"S": size, "budget": list(p["budget"]), "causal_fwd_bwd_ms": ms(t_c), "kvpop_fwd_bwd_ms": ms(t_k),
+           "ratio": t_k / t_c if t_c else None, "eviction_positions_ms": 1e3 * t_evict,
+           "block_structure_ms": 1e3 * t_struct, "causal_create_block_mask_ms": 1e3 * t_causal_mask,
+           "block_density_vs_causal": density, "causal_peak_gib": m_c, "kvpop_peak_gib": m_k,
+           "kvpop_compact_kernel": kernel, "kvpop_compact_fwd_bwd_ms": 1e3 * t_p,
+           "compact_ratio": t_p / t_c if t_c else None, "compact_index_ms": 1e3 * t_index,
+           "compact_length": layout.index.shape[-1], "compact_peak_gib": m_p,
+           "compact_gathered_kv_gib": 2 * layout.index.numel() * p["head_dim"] * q.element_size() / 2**30}
     print(json.dumps(row), flush=True)
     return row
 

@@ -8,12 +8,17 @@ from kvpop.cache import CACHE_KWARG, KVpopCache
 
 @torch.no_grad()
 def teacher_forced_logits(model, input_ids: torch.Tensor, *, prefill: int = 0, chunk: int = 1,
-                          attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                          attention_mask: torch.Tensor | None = None, graphed: bool = False) -> torch.Tensor:
     """Logits ``[B, S, V]`` of feeding ``input_ids`` through a fresh :class:`KVpopCache`.
 
     The first ``prefill`` tokens go in one call, the rest ``chunk`` tokens per call (``chunk=1``: decoding).
     For a static policy this must equal one masked forward (METHOD §5); dynamic policies (TOVA, H2O) only run here.
+    ``graphed`` (CUDA, ``chunk=1``, no padding): the decoding steps replay one captured CUDA graph
+    (:class:`GraphedDecoder`) instead of launching every layer's kernels from Python — what makes a dynamic
+    policy's token-by-token pass over thousands of tokens affordable.
     """
+    if graphed:
+        return _graphed_logits(model, input_ids, max(prefill, 1), chunk, attention_mask)
     cache = KVpopCache(model)
     size = input_ids.shape[1]
     bounds = ([0, prefill] if prefill > 0 else [0]) + list(range(max(prefill, 0) + chunk, size, chunk)) + [size]
@@ -23,6 +28,21 @@ def teacher_forced_logits(model, input_ids: torch.Tensor, *, prefill: int = 0, c
         mask = None if attention_mask is None else attention_mask[:, :end]
         out = model(input_ids=input_ids[:, start:end], attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache})
         logits.append(out.logits)
+    return torch.cat(logits, dim=1)
+
+
+def _graphed_logits(model, input_ids, prefill, chunk, attention_mask):
+    if not input_ids.is_cuda or chunk != 1 or attention_mask is not None:
+        raise ValueError("graphed teacher forcing needs CUDA inputs, chunk=1 and no padding mask")
+    cache = KVpopCache(model)
+    size = input_ids.shape[1]
+    prefill = min(prefill, size)
+    logits = [model(input_ids=input_ids[:, :prefill], use_cache=True, **{CACHE_KWARG: cache}).logits]
+    if prefill < size:
+        decoder = GraphedDecoder(model, cache)
+        rows = torch.arange(len(input_ids), device=input_ids.device)[:, None]
+        for pos in range(prefill, size):
+            logits.append(decoder(input_ids[:, pos:pos + 1], torch.full_like(rows, pos)))
     return torch.cat(logits, dim=1)
 
 

@@ -13,7 +13,8 @@ How each policy runs. Static policies (streaming, random, oracle, kvpop) in one 
 (``model(ids, use_cache=False)``), which the fixed cache reproduces exactly (METHOD §5). Dynamic ones (TOVA, H2O)
 only through the cache: ``kvpop.teacher_forced_logits(model, ids, prefill=S)`` — one forward whose attention layers
 step token by token inside (the same computation as decoding, MLPs batched), ~10 ms/token for SmolLM2 on 2 cores
-against ~50 ms/token for one-token forwards. The oracle reads the teacher's future-attention targets
+against ~50 ms/token for one-token forwards; on CUDA one decoding step is captured once and replayed as a CUDA graph
+(``graphed=True``), since launching every layer's small kernels from Python costs ~1 ms per layer-token. The oracle reads the teacher's future-attention targets
 (:func:`kvpop.targets.teacher_pass`, for the budget's window) of the evaluated sequence. In free generation
 there are no targets for generated tokens: the oracle uses the targets of the prompt alone (tokens without a target,
 the prompt's last ``window`` tokens and the generated ones, rank lowest), so its row shows what the ideal static
@@ -139,6 +140,8 @@ def policy_logits(model, name: str, budget: Budget, ids: torch.Tensor, targets: 
         return _dense_logits(model, ids)
     kvpop.set_policy(model, name, budget)
     if name in DYNAMIC:
+        if ids.is_cuda:
+            return kvpop.teacher_forced_logits(model, ids, graphed=True)
         return kvpop.teacher_forced_logits(model, ids, prefill=ids.shape[1])
     if name == "oracle":
         if targets is None:

@@ -89,3 +89,117 @@ def test_contiguous_flex_path_matches_chunked():
     flex_out = retention_attention(q, k, v, backend="flex", **kw)
     chunked = retention_attention(q, k, v, backend="chunked", **kw)
     assert (flex_out - chunked).abs().max() < 1e-5
+
+
+COMPACT_CASES = [  # (batch, query heads, KV heads, S, budget): GQA / MHA / MQA, S off and on the block grid
+    (2, 4, 2, 300, Budget(4, 20, 30)),
+    (1, 4, 4, 256, Budget(0, 1, 0)),  # no sinks, no top-k
+    (2, 6, 1, 500, Budget(3, 600, 5)),  # window >= S
+    (2, 4, 2, 100, Budget(3, 10, 5)),  # one query block
+    (1, 2, 2, 700, Budget(2, 50, 100)),
+    (1, 4, 2, 400, Budget(10, 130, 500)),  # B >= S
+    (2, 4, 2, 640, Budget(0, 130, 10)),
+]
+
+
+def _compact_inputs(bsz, hq, hkv, size, budget, seed, dim=8, ties=False):
+    torch.manual_seed(seed)
+    prio = torch.randint(0, 3, (bsz, hkv, size)).float() if ties else torch.randn(bsz, hkv, size)
+    evict = eviction_positions(prio, budget)
+    q, k, v = (torch.randn(bsz, h, size, dim, requires_grad=True) for h in (hq, hkv, hkv))
+    positions = torch.arange(size).expand(bsz, size)
+    kw = dict(q_pos=positions, kv_pos=positions[:, None], kv_evict=evict,
+              kv_valid=torch.ones(bsz, 1, size, dtype=torch.bool), budget=budget, scale=0.3)
+    return q, k, v, evict, kw
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("bsz,hq,hkv,size,budget", COMPACT_CASES)
+def test_compact_layout_gathers_exactly_what_a_block_sees(bsz, hq, hkv, size, budget, ties):
+    """Each query block gathers every token one of its queries sees, ascending, within the static L slots (the
+    union bound B + 127 holds, ties in priority included), and the per-slot query rows reproduce the mask."""
+    from kvpop.attention import compact_layout, compact_length
+
+    _, _, _, evict, _ = _compact_inputs(bsz, hq, hkv, size, budget, seed=size, ties=ties)
+    layout = compact_layout(evict, budget)
+    blocks = (size + BLOCK - 1) // BLOCK
+    length = compact_length(size, budget)
+    assert layout.index.shape == layout.rows.shape == (bsz * blocks, hkv, length) and length % BLOCK == 0
+    assert length <= blocks * BLOCK
+    query = torch.arange(blocks * BLOCK)
+    token = torch.arange(size)
+    for b in range(bsz):
+        for g in range(hkv):
+            dense = retained(query[:, None], token[None, :], evict[b, g][None, :], budget)  # [blocks·128, S]
+            for i in range(blocks):
+                rows = layout.rows[b * blocks + i, g]
+                filled = rows != 0
+                gathered = layout.index[b * blocks + i, g][filled] - (b * hkv + g) * size
+                tile = dense[i * BLOCK:(i + 1) * BLOCK]
+                assert torch.equal(gathered.sort().values, tile.any(0).nonzero().flatten())  # exactly the union
+                span = rows[filled]
+                row = torch.arange(BLOCK)[:, None]
+                seen = (row >= (span >> 8)) & (row < (span & 255))
+                assert torch.equal(seen, tile[:, gathered])
+                # the block structure: full KV blocks are seen by every row, KV blocks past the used ones are empty
+                full, used = layout.full_blocks[b * blocks + i, g], layout.used_blocks[b * blocks + i, g]
+                assert (rows[:full * BLOCK] == BLOCK).all()
+                assert (rows[used * BLOCK:length - BLOCK] == 0).all() and used * BLOCK <= length - BLOCK
+
+
+@pytest.mark.parametrize("bsz,hq,hkv,size,budget", COMPACT_CASES)
+def test_compact_path_matches_chunked_with_gradients(bsz, hq, hkv, size, budget):
+    from kvpop.attention import retention_attention
+
+    q, k, v, _, kw = _compact_inputs(bsz, hq, hkv, size, budget, seed=size + 1)
+    upstream = torch.randn(bsz, size, hq, q.shape[-1])
+    results = []
+    for backend in ("compact", "chunked"):
+        out = retention_attention(q, k, v, backend=backend, **kw)
+        results.append((out, *torch.autograd.grad((out * upstream).sum(), (q, k, v))))
+    assert results[0][0].shape == (bsz, size, hq, q.shape[-1])
+    for name, fast, ref in zip(("out", "dq", "dk", "dv"), *results):
+        assert (fast - ref).abs().max() < 1e-5, name
+
+
+@pytest.mark.parametrize("bsz,hq,hkv,size,budget", [c for c in COMPACT_CASES if c[3] <= 400])
+def test_compact_flex_forward_matches_chunked(bsz, hq, hkv, size, budget):
+    """The mask_mod the CUDA kernel uses, through eager FlexAttention (forward only on CPU)."""
+    from kvpop.attention import compact_retention_attention, retention_attention
+
+    q, k, v, evict, kw = _compact_inputs(bsz, hq, hkv, size, budget, seed=size + 2, dim=16)
+    with torch.no_grad():
+        out = compact_retention_attention(q, k, v, evict, budget, scale=kw["scale"], kernel="flex")
+        ref = retention_attention(q, k, v, backend="chunked", **kw)
+    assert (out - ref).abs().max() < 1e-5
+
+
+def test_compact_refuses_eviction_beyond_its_budget():
+    """A dense policy passes 'never evicted' with a tiny budget: the compact slots would drop keys, so auto falls
+    back (compact_layout gives None) and the forced backend refuses."""
+    from kvpop.attention import compact_layout, retention_attention
+
+    size, budget = 512, Budget(0, 1, 0)
+    q, k, v, _, kw = _compact_inputs(1, 2, 2, size, budget, seed=0)
+    kw["kv_evict"] = torch.full((1, 1, size), 1 << 40)
+    assert compact_layout(kw["kv_evict"].expand(1, 2, size), budget) is None
+    with pytest.raises(ValueError, match="keep more tokens"):
+        retention_attention(q, k, v, backend="compact", **kw)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a GPU")
+@pytest.mark.parametrize("size,budget", [(1000, Budget(4, 64, 200)), (2048, Budget(4, 128, 380))])
+def test_compact_flex_on_cuda_matches_chunked_with_gradients(size, budget):
+    """The kernel training runs on: compiled flex over the gathered slots (full blocks unmasked), fp32."""
+    from kvpop.attention import retention_attention
+
+    q, k, v, _, kw = _compact_inputs(2, 4, 2, size, budget, seed=7, dim=32)
+    q, k, v = (x.detach().cuda().requires_grad_() for x in (q, k, v))
+    kw = {key: (val.cuda() if torch.is_tensor(val) else val) for key, val in kw.items()}
+    upstream = torch.randn(2, size, 4, 32, device="cuda")
+    results = []
+    for backend in ("compact", "chunked"):
+        out = retention_attention(q, k, v, backend=backend, **kw)
+        results.append((out, *torch.autograd.grad((out * upstream).sum(), (q, k, v))))
+    for name, fast, ref in zip(("out", "dq", "dk", "dv"), *results):
+        assert (fast - ref).abs().max() < 2e-3, name

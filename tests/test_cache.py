@@ -101,3 +101,23 @@ def test_crop_is_refused():
         model(torch.randint(1, 97, (1, 12)), past_key_values=cache, use_cache=True)
     with pytest.raises(NotImplementedError, match="cropped"):
         cache.crop(-1)
+
+
+def test_graphed_teacher_forcing_refuses_what_it_cannot_replay():
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, BUDGET, scorer="mlstm", policy="tova")
+    with pytest.raises(ValueError, match="CUDA"):
+        kvpop.teacher_forced_logits(model, torch.randint(1, 97, (1, 8)), graphed=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("policy", ["tova", "h2o", "kvpop", "streaming"])
+@pytest.mark.parametrize("prefill", [1, 9])
+def test_graphed_teacher_forcing_equals_eager_steps(policy, prefill):
+    """One captured step replayed over the sequence gives the logits of launching every step from Python."""
+    model = tiny_model("qwen3", "gqa", layers=3).cuda()
+    kvpop.retrofit(model, BUDGET, scorer="mlstm", policy=policy)
+    ids = torch.randint(1, 97, (3, 60), device="cuda")
+    eager = kvpop.teacher_forced_logits(model, ids, prefill=prefill)
+    graphed = kvpop.teacher_forced_logits(model, ids, prefill=prefill, graphed=True)
+    assert (graphed.float() - eager.float()).abs().max().item() <= 1e-4
