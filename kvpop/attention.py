@@ -5,9 +5,12 @@ One primitive, :func:`retention_attention`, serves training, prefill and chunked
 ``retained(q_pos, kv_pos, kv_evict)`` and ``kv_valid`` hold. No S×S mask is ever stored: the mask is a
 ``mask_mod`` reading O(S) tensors, and the block structure is derived from them in O((S/128)²).
 
-Unpadded whole sequences (training) can do better than a block-sparse S×S pass: a query block sees at most
+Unpadded whole sequences (training) have an alternative to the block-sparse S×S pass: a query block sees at most
 ``B + 127`` tokens, so :func:`compact_layout` gathers exactly those per (query block, KV head) and the attention
-runs over ``S × L`` scores instead of ``S²/2`` (:func:`compact_retention_attention`).
+runs over ``S × L`` scores instead of ``S²/2`` (:func:`compact_retention_attention`, ``backend="compact"``). It is
+opt-in: on an H200 at S = 16k its attention is half of causal, but the gather, its backward and the index lists
+eat the gain (1.32× causal vs 1.41× for the masked pass) and the gathered keys cost ~1 GiB of activations per
+layer; at S = 4096 on SmolLM2 it halved the pipeline's training throughput (launch-bound index work).
 
 Decoding a single token over a fixed cache needs no mask at all beyond "slot is filled":
 :func:`slot_attention`.
@@ -132,15 +135,14 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
     ``kv_valid`` ``[B, Hkv, N]`` (broadcastable on the head dim). Queries that see nothing (padding) give 0.
     ``backend``: ``flex`` (compiled, block-sparse), ``compact`` (unpadded whole sequences only: per query block
     over its gathered keys, :func:`compact_retention_attention`) or ``chunked`` (CPU default: SDPA over blocks of
-    queries, each with its own ``[rows × N]`` mask — FlexAttention has no backward on CPU). ``auto`` on CUDA takes
-    ``compact`` where it is contiguous and at most half the keys per query block, else ``flex``.
+    queries, each with its own ``[rows × N]`` mask — FlexAttention has no backward on CPU). ``auto``: ``flex`` on
+    CUDA, ``chunked`` elsewhere.
     """
     bsz, hq, _, _ = query.shape
     hkv = key.shape[1]
     shape = (bsz, hkv, key.shape[2])
     kv_pos, kv_evict, kv_valid = (x.expand(shape).contiguous() for x in (kv_pos, kv_evict, kv_valid))
-    auto = backend == "auto"
-    if auto:
+    if backend == "auto":
         backend = "flex" if query.is_cuda else "chunked"
     if backend == "chunked":
         return _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale)
@@ -154,10 +156,6 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
         if not contiguous:
             raise ValueError("the compact backend serves unpadded whole sequences only (q_pos == kv_pos == arange)")
         return compact_retention_attention(query, key, value, kv_evict, budget, scale=scale)
-    if contiguous and auto and 2 * compact_length(size, budget) <= size:
-        layout = compact_layout(kv_evict, budget)
-        if layout is not None:  # None: the eviction positions keep more than the budget (a dense policy)
-            return _compact_attention(query, key, value, layout, scale, "flex")
     if contiguous:  # one causal block structure per shape, shared by every layer: only the mask_mod differs
         block_mask = copy.copy(_causal_structure(query.shape[2], str(query.device)))
         block_mask.mask_mod = _contiguous_mask_mod(kv_evict, budget.sink, budget.window, hq // hkv)
@@ -177,8 +175,6 @@ class CompactLayout(NamedTuple):
     index: torch.Tensor  # row of ``key.reshape(-1, D)`` gathered into the slot (an arbitrary one when empty)
     rows: torch.Tensor  # int32 ``first << 8 | end``: the block's query rows ``first <= r < end`` see the slot
     blocks: int
-    full_blocks: torch.Tensor  # [B * blocks, Hkv]: leading KV blocks of slots every query row sees
-    used_blocks: torch.Tensor  # [B * blocks, Hkv]: KV blocks of the past part holding any slot (the rest: empty)
 
 
 def compact_length(size: int, budget: Budget) -> int:
@@ -233,12 +229,6 @@ def compact_layout(kv_evict: torch.Tensor, budget: Budget) -> CompactLayout | No
     past_end = end.gather(-1, past_index.flatten(1)).view_as(past_index) - first_query[:, None]
     filled = torch.arange(past, device=device) < counts[..., None]
     past_rows = torch.where(filled, past_end.clamp(max=BLOCK), 0)  # first row 0: every query is after the token
-    # slots every row sees first, then those evicted inside the block, then the empty ones (order is free: the
-    # keys carry their positions in RoPE): whole KV blocks then need no mask evaluation, and empty ones no visit
-    order = torch.argsort(past_rows, dim=-1, descending=True, stable=True)
-    past_index, past_rows = past_index.gather(-1, order), past_rows.gather(-1, order)
-    full_blocks = (past_rows == BLOCK).sum(-1) // BLOCK  # [R, blocks]
-    used_blocks = -(-counts // BLOCK)
 
     own_index = first_query[:, None] + torch.arange(BLOCK, device=device)  # [blocks, BLOCK]
     in_sequence = own_index < size
@@ -250,9 +240,7 @@ def compact_layout(kv_evict: torch.Tensor, budget: Budget) -> CompactLayout | No
     index = index + (torch.arange(rows_total, device=device) * size)[:, None, None]
     rows = torch.cat([past_rows, own_rows], dim=-1).to(torch.int32)
     per_block = lambda x: x.view(bsz, hkv, blocks, -1).transpose(1, 2).reshape(bsz * blocks, hkv, -1)  # noqa: E731
-    per_block_count = lambda x: x.view(bsz, hkv, blocks).transpose(1, 2).reshape(bsz * blocks, hkv)  # noqa: E731
-    return CompactLayout(per_block(index), per_block(rows), blocks, per_block_count(full_blocks),
-                         per_block_count(used_blocks))
+    return CompactLayout(per_block(index), per_block(rows), blocks)
 
 
 def _compact_mask_mod(rows, group: int):
@@ -262,17 +250,12 @@ def _compact_mask_mod(rows, group: int):
     return mask_mod
 
 
-def _compact_block_mask(layout: CompactLayout, group: int) -> BlockMask:
-    """One query block against its ``L`` gathered slots: the leading full KV blocks skip the mask, the blocks of
-    slots evicted inside the query block and the block's own tokens (the last KV block) are partial, empty ones are
-    skipped."""
-    length = layout.index.shape[-1]
-    kv_block = torch.arange(length // BLOCK, device=layout.index.device)
-    full = kv_block < layout.full_blocks[..., None]
-    partial = (~full & (kv_block < layout.used_blocks[..., None])) | (kv_block == length // BLOCK - 1)
-    full, partial = (x.repeat_interleave(group, dim=1)[:, :, None] for x in (full, partial))  # per query head
-    return BlockMask.from_kv_blocks(*_to_indices(partial), *_to_indices(full), BLOCK_SIZE=BLOCK,
-                                    mask_mod=_compact_mask_mod(layout.rows, group), seq_lengths=(BLOCK, length))
+@functools.lru_cache(maxsize=16)
+def _compact_structure(length: int, device: str) -> BlockMask:
+    """One query block against ``length`` gathered keys, every KV block partial."""
+    every = torch.ones(1, 1, 1, length // BLOCK, dtype=torch.bool, device=device)
+    return BlockMask.from_kv_blocks(*_to_indices(every), BLOCK_SIZE=BLOCK, mask_mod=None,
+                                    seq_lengths=(BLOCK, length))
 
 
 def compact_retention_attention(query, key, value, kv_evict, budget: Budget, *, scale: float,
@@ -301,7 +284,8 @@ def _compact_attention(query, key, value, layout: CompactLayout, scale: float, k
     gathered = F.embedding(layout.index, torch.cat([key, value], dim=-1).reshape(-1, 2 * dim))
     keys, values = gathered[..., :dim], gathered[..., dim:]
     if kernel == "flex":
-        block_mask = _compact_block_mask(layout, group)
+        block_mask = copy.copy(_compact_structure(layout.index.shape[-1], str(query.device)))
+        block_mask.mask_mod = _compact_mask_mod(layout.rows, group)
         out = flex(queries, keys, values, block_mask=block_mask, scale=scale, enable_gqa=group > 1)
     elif kernel == "sdpa":
         row = torch.arange(BLOCK, device=query.device)[:, None]

@@ -136,15 +136,11 @@ def test_compact_layout_gathers_exactly_what_a_block_sees(bsz, hq, hkv, size, bu
                 filled = rows != 0
                 gathered = layout.index[b * blocks + i, g][filled] - (b * hkv + g) * size
                 tile = dense[i * BLOCK:(i + 1) * BLOCK]
-                assert torch.equal(gathered.sort().values, tile.any(0).nonzero().flatten())  # exactly the union
+                assert torch.equal(gathered, tile.any(0).nonzero().flatten())  # exactly the union, ascending
                 span = rows[filled]
                 row = torch.arange(BLOCK)[:, None]
                 seen = (row >= (span >> 8)) & (row < (span & 255))
                 assert torch.equal(seen, tile[:, gathered])
-                # the block structure: full KV blocks are seen by every row, KV blocks past the used ones are empty
-                full, used = layout.full_blocks[b * blocks + i, g], layout.used_blocks[b * blocks + i, g]
-                assert (rows[:full * BLOCK] == BLOCK).all()
-                assert (rows[used * BLOCK:length - BLOCK] == 0).all() and used * BLOCK <= length - BLOCK
 
 
 @pytest.mark.parametrize("bsz,hq,hkv,size,budget", COMPACT_CASES)
@@ -175,8 +171,8 @@ def test_compact_flex_forward_matches_chunked(bsz, hq, hkv, size, budget):
 
 
 def test_compact_refuses_eviction_beyond_its_budget():
-    """A dense policy passes 'never evicted' with a tiny budget: the compact slots would drop keys, so auto falls
-    back (compact_layout gives None) and the forced backend refuses."""
+    """A dense policy passes 'never evicted' with a tiny budget: the compact slots would drop keys, so
+    compact_layout gives None and the compact backend refuses."""
     from kvpop.attention import compact_layout, retention_attention
 
     size, budget = 512, Budget(0, 1, 0)
