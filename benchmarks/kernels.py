@@ -252,12 +252,67 @@ def bench_precompute(p, device, dtype):
     return row
 
 
+def _num(value, digits=2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(result: dict) -> str:
+    """The measured sections as tables (what `--out` writes next to the JSON as .md)."""
+    lines = [f"# Kernels on {result['device']} ({result['dtype']}, torch {result['torch']})", ""]
+    if result.get("note"):
+        lines += [f"Note: {result['note']}.", ""]
+    if isinstance(result.get("correctness"), list):
+        lines += ["## Correctness vs the fp32 chunked reference", "", "| path | left padding | max abs err (out / dq / dk "
+                  "/ dv) |", "|---|---|---|"]
+        for r in result["correctness"]:
+            errs = [r.get(k) for k in ("max_abs_err", "dq_max_abs_err", "dk_max_abs_err", "dv_max_abs_err")]
+            lines.append(f"| {r.get('path', 'masked flex')} | {r['pad']} | "
+                         + " / ".join(_num(e, 4) for e in errs if e is not None) + " |")
+        lines.append("")
+    if isinstance(result.get("targets"), list):
+        lines += ["## Target pass vs causal forward + LSE", "", "| heads | head_dim | S | forward ms | targets ms | ratio "
+                  "| no score_mod ms (ratio) | LSE in value ms (ratio) |", "|---|---|---|---|---|---|---|---|"]
+        for r in result["targets"]:
+            heads = "/".join(map(str, r.get("heads", [])))
+            probe = (lambda k: f"{_num(r.get(k + '_ms'))} ({_num(r.get(k + '_ratio'))})" if k + "_ms" in r else "-")
+            lines.append(f"| {heads} | {r.get('head_dim', '')} | {r['S']} | {_num(r['forward_ms'])} | "
+                         f"{_num(r['targets_ms'])} | {_num(r['ratio'])} | {probe('no_score_mod')} | "
+                         f"{probe('lse_in_value')} |")
+        lines.append("")
+    train = result.get("train")
+    if isinstance(train, dict) and "S" in train:
+        lines += [f"## Training step, S = {train['S']}, budget {tuple(train['budget'])}", "",
+                  "| path | fwd + bwd ms | vs causal | peak GiB |", "|---|---|---|---|",
+                  f"| causal FlexAttention | {_num(train['causal_fwd_bwd_ms'])} | 1.00 | {_num(train['causal_peak_gib'])} |",
+                  f"| KVpop-masked (default) | {_num(train['kvpop_fwd_bwd_ms'])} | {_num(train['ratio'])} | "
+                  f"{_num(train['kvpop_peak_gib'])} |",
+                  f"| KVpop compact ({train.get('kvpop_compact_kernel')}) | {_num(train.get('kvpop_compact_fwd_bwd_ms'))}"
+                  f" | {_num(train.get('compact_ratio'))} | {_num(train.get('compact_peak_gib'))} |", "",
+                  f"Per layer: eviction positions {_num(train['eviction_positions_ms'])} ms, eviction positions + "
+                  f"block structure {_num(train['block_structure_ms'])} ms, compact index lists "
+                  f"{_num(train.get('compact_index_ms'))} ms (L = {train.get('compact_length')}); compiled causal "
+                  f"create_block_mask {_num(train['causal_create_block_mask_ms'])} ms.", ""]
+    pre = result.get("precompute")
+    if isinstance(pre, dict) and "S" in pre:
+        lines += [f"## Teacher pass, SmolLM2's shape, S = {pre['S']}", "",
+                  f"teacher_pass {_num(pre['teacher_pass_ms'])} ms ({pre['tokens_per_s']:.0f} tokens/s, peak "
+                  f"{_num(pre['teacher_pass_peak_gib'])} GiB) vs SDPA forward {_num(pre['sdpa_forward_ms'])} ms: "
+                  f"{_num(pre['pass_over_forward'])}×", ""]
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     parser.add_argument("--out", default="")
     parser.add_argument("--only", nargs="*", default=["correctness", "targets", "train", "precompute"])
+    parser.add_argument("--render", metavar="JSON", help="print (and write as .md) the tables of a result file")
     args = parser.parse_args(argv)
+    if args.render:
+        result = json.loads(Path(args.render).read_text())
+        Path(args.render).with_suffix(".md").write_text(markdown(result))
+        print(markdown(result))
+        return result
     p = PRESETS[args.preset]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = getattr(torch, p["dtype"])
@@ -278,6 +333,8 @@ def main(argv=None):
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
+            out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
     return result
 
 

@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     tag = "cuda" if device.type == "cuda" else "cpu"
     file = out / f"precompute_{tag}_{path.name}_S{S}.json"
     file.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"[bench] wrote {file}", flush=True)
+    file.with_suffix(".md").write_text(markdown(result))
+    print(f"[bench] wrote {file} and .md", flush=True)
     return result
 
 
@@ -225,6 +226,16 @@ def ray_stage(args, path: Path) -> dict:
     return {"measure": "stage: pipelines.precompute.run (Ray)", "ms": seconds * 1e3,
             "tokens_per_s": result.tokens_computed / seconds, "peak_gib": None, "shards": result.shards,
             "teacher_s": result.teacher_seconds}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Precompute — {result['model']} ({result['dtype']}) on {result['device']}", "",
+             f"S = {result['seq_len']}, batch {result['batch_size']}, windows {result['windows']}, top-K "
+             f"{result['top_k']}.", "", "| measure | ms | tokens/s | peak GiB |", "|---|---|---|---|"]
+    for row in result["rows"]:
+        peak = f"{row['peak_gib']:.2f}" if row["peak_gib"] is not None else "-"
+        lines.append(f"| {row['measure']} | {row['ms']:.1f} | {row['tokens_per_s']:.0f} | {peak} |")
+    return "\n".join(lines) + "\n"
 
 
 def print_table(result: dict) -> None:
