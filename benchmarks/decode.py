@@ -3,8 +3,8 @@
 Each context length is reached by a real prefill (dense: transformers' DynamicCache + SDPA; streaming / KVpop: the
 fixed cache's one-pass masked prefill), then a few hundred decode steps are timed. KVpop and streaming are timed
 both eagerly and as a replayed CUDA graph of the whole step (kvpop.decode.GraphedDecoder); dense is timed as users
-run it (eager, DynamicCache) and at its best in stock transformers (a StaticCache step replayed as a CUDA graph). The bandwidth floor of a step is (weights + cache bytes it must read) ÷ the measured
-device copy bandwidth.
+run it (eager, DynamicCache) and at its best in stock transformers (a StaticCache step replayed as a CUDA graph).
+The bandwidth floor of a step is (weights + cache bytes it must read) ÷ the measured device copy bandwidth.
 
     python -m benchmarks.decode --preset h200 --out benchmarks/results/decode_h200.json
     python -m benchmarks.decode --preset cpu-tiny          # a smoke run on CPU

