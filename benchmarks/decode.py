@@ -160,6 +160,7 @@ def dense_graph_ms(model, dynamic_cache, step_ids, steps, device) -> float:
     from transformers import StaticCache
 
     from kvpop.cache import CACHE_KWARG
+    from kvpop.decode import capture_graph
 
     length = dynamic_cache.get_seq_length()  # the prefill and the eager steps already taken
     static = StaticCache(config=model.config, max_cache_len=length + steps + 8)
@@ -174,17 +175,13 @@ def dense_graph_ms(model, dynamic_cache, step_ids, steps, device) -> float:
         return model(input_ids=ids, position_ids=position, cache_position=cache_position, use_cache=True,
                      logits_to_keep=1, **{CACHE_KWARG: static}).logits
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):  # warm-up: writes slots length, length + 1 (rewritten by the timed steps)
-            forward()
-            position.add_(1)
-            cache_position.add_(1)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    warmup = 2
+
+    def past_warmup():  # the warm-up wrote slots length, length + 1: capture the step after them
+        position.add_(warmup)
+        cache_position.add_(warmup)
+
+    graph, _ = capture_graph(forward, warmup=warmup, restore=past_warmup)
 
     def replay():
         graph.replay()

@@ -243,10 +243,14 @@ def compact_layout(kv_evict: torch.Tensor, budget: Budget) -> CompactLayout | No
     return CompactLayout(per_block(index), per_block(rows), blocks)
 
 
+def _sees(query_row, span):
+    """Whether a block's query row sees a slot whose ``span`` is ``first << 8 | end`` (see :class:`CompactLayout`)."""
+    return (query_row >= (span >> 8)) & (query_row < (span & 255))
+
+
 def _compact_mask_mod(rows, group: int):
     def mask_mod(b, h, q_idx, kv_idx):
-        span = rows[b, h // group, kv_idx]
-        return (q_idx >= (span >> 8)) & (q_idx < (span & 255))
+        return _sees(q_idx, rows[b, h // group, kv_idx])
     return mask_mod
 
 
@@ -289,8 +293,7 @@ def _compact_attention(query, key, value, layout: CompactLayout, scale: float, k
         out = flex(queries, keys, values, block_mask=block_mask, scale=scale, enable_gqa=group > 1)
     elif kernel == "sdpa":
         row = torch.arange(BLOCK, device=query.device)[:, None]
-        span = layout.rows[:, :, None, :]
-        mask = ((row >= (span >> 8)) & (row < (span & 255))).repeat_interleave(group, dim=1)
+        mask = _sees(row, layout.rows[:, :, None, :]).repeat_interleave(group, dim=1)
         sees = mask.any(-1, keepdim=True)  # rows past the sequence's end may see nothing
         out = F.scaled_dot_product_attention(queries, keys.repeat_interleave(group, dim=1),
                                              values.repeat_interleave(group, dim=1), attn_mask=mask | ~sees,

@@ -46,6 +46,23 @@ def _graphed_logits(model, input_ids, prefill, chunk, attention_mask):
     return torch.cat(logits, dim=1)
 
 
+def capture_graph(step, *, warmup: int = 2, restore=None):
+    """``(graph, output)``: ``step()`` warmed up on a side stream (as capture requires), ``restore()`` to undo what
+    the warm-up changed, then captured once; ``graph.replay()`` reruns it on the same memory."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    if restore is not None:
+        restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        output = step()
+    return graph, output
+
+
 class GraphedDecoder:
     """One decoding step of a retrofitted model, captured once and replayed as a CUDA graph.
 
@@ -71,17 +88,12 @@ class GraphedDecoder:
     def _capture(self):
         snapshot = [t.clone() for t in self._tensors()]
         columns = [layer.columns for layer in self.cache.layers]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(self.warmup):
-                self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        for tensor, saved in zip(self._tensors(), snapshot):
-            tensor.copy_(saved)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._forward()
+
+        def restore():
+            for tensor, saved in zip(self._tensors(), snapshot):
+                tensor.copy_(saved)
+
+        self.graph, self.logits = capture_graph(self._forward, warmup=self.warmup, restore=restore)
         for layer, count in zip(self.cache.layers, columns):
             layer.columns = count
 
