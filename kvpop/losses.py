@@ -70,20 +70,33 @@ def boundary_loss(
     dec = decisions if decisions is not None else boundary_decisions(teacher.detach(), budget)
     if not dec.valid.any():
         return student.sum() * 0.0
-    idx_new = dec.t_new.expand_as(dec.t_bnd)
-    margin = student.gather(-1, idx_new) - student.gather(-1, dec.t_bnd)
+    margin = boundary_margins(student, dec)
     z = dec.keep.to(student.dtype) * 2 - 1
     term = F.softplus(-z * margin / tau)
     if isinstance(weight, str):
         if weight != "margin":
             raise ValueError(f"weight must be None, 'margin' or a tensor, got {weight!r}")
-        t = teacher.detach()
-        omega = (t.gather(-1, idx_new) - t.gather(-1, dec.t_bnd)).abs()
+        omega = boundary_margins(teacher.detach(), dec).abs()
         term = term * torch.where(dec.valid, omega, 0.0)
     elif weight is not None:
-        term = term * weight.gather(-1, idx_new)
+        term = term * weight.gather(-1, dec.t_new.expand_as(dec.t_bnd))
     term = torch.where(dec.valid, term, 0.0)
     return term.sum() / dec.valid.sum()
+
+
+def boundary_margins(priority: torch.Tensor, decisions: BoundaryDecisions) -> torch.Tensor:
+    """``p[t_new] - p[t_bnd]`` at every decision ``[..., n]`` (meaningless where not valid)."""
+    idx_new = decisions.t_new.expand_as(decisions.t_bnd)
+    return priority.gather(-1, idx_new) - priority.gather(-1, decisions.t_bnd)
+
+
+def student_keeps(priority: torch.Tensor, decisions: BoundaryDecisions) -> torch.Tensor:
+    """``[..., n]`` bool: these priorities keep ``t_new`` over the teacher's boundary token (newer wins ties).
+
+    ``p[t_new] >= p[t_bnd]`` rather than a difference: an infinite priority must not turn a tie into NaN.
+    """
+    idx_new = decisions.t_new.expand_as(decisions.t_bnd)
+    return priority.gather(-1, idx_new) >= priority.gather(-1, decisions.t_bnd)
 
 
 def boundary_agreement(student: torch.Tensor, decisions: BoundaryDecisions) -> torch.Tensor:
@@ -91,9 +104,7 @@ def boundary_agreement(student: torch.Tensor, decisions: BoundaryDecisions) -> t
 
     The student keeps ``t_new`` over the teacher's boundary token when ``p[t_new] >= p[t_bnd]`` (newer wins ties).
     """
-    idx_new = decisions.t_new.expand_as(decisions.t_bnd)
-    student_keeps = student.gather(-1, idx_new) >= student.gather(-1, decisions.t_bnd)
-    agree = (student_keeps == decisions.keep) & decisions.valid
+    agree = (student_keeps(student, decisions) == decisions.keep) & decisions.valid
     return agree.sum() / decisions.valid.sum().clamp(min=1)
 
 

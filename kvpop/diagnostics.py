@@ -1,0 +1,195 @@
+"""What a scorer learned: its static priorities against the teacher's, on the decisions the cache makes.
+
+Inputs are two tensors ``[..., S]`` (in practice ``[layers, B, Hkv, S]``): the student's priorities as the policy
+ranks them (what :func:`kvpop.collect_priorities` returns: scorer output plus the recency term) and the teacher's
+future-attention targets ``y`` (METHOD §2; ``-inf`` where a token has no deciding query). The teacher ranks by
+``with_recency(y, λ)`` with the policy's ``λ`` (METHOD §3). Every metric is computed per row (each layer, sequence
+and KV head), so that callers can average per layer / head and bootstrap over sequences.
+
+1. **Decisions** (METHOD §3, :func:`kvpop.losses.boundary_decisions`): at each query with more than ``k`` eligible
+   tokens, does the teacher keep ``t_new = d - w`` over its boundary token? ``agreement`` (raw), ``balanced_accuracy``
+   (mean of the keep and the evict recalls) and ``auc`` (of the margin ``p[t_new] - p[t_bnd]`` as a keep score).
+   The teacher keeps ``t_new`` only ~15-25 % of the time, so raw agreement rewards never admitting; balanced
+   accuracy is 0.5 for a rule that always (or never) admits. The AUC of a position rule is not 0.5: its margin is
+   the boundary token's age gap, which carries information; compare a scorer's AUC with ``newest``'s.
+2. **Kept sets**: overlap of the long-range tokens held at a few query positions with the oracle's (the teacher's
+   priorities), and the share of the oracle's future-attention mass ``Σ exp(y)`` that they hold.
+3. **Rank correlation**: Spearman's ρ of priority with the teacher's over the tokens that have a target.
+
+Every view also runs the reference rules as priorities through the same code: ``newest`` (priority = position:
+always admits ``t_new``, what a scorer that learned only recency does), ``oldest`` (never admits), ``random``
+(seeded) and ``oracle`` (the teacher's own priorities: 1.0 by construction).
+"""
+from __future__ import annotations
+
+import torch
+
+from kvpop.budget import Budget
+from kvpop.losses import boundary_decisions, boundary_margins, student_keeps
+from kvpop.retention import eviction_positions, with_recency
+
+REFERENCES = ("newest", "oldest", "random", "oracle")
+
+
+# -----------------------------------------------------------------------------
+# rank statistics along the last dim, over a mask
+
+
+def average_ranks(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """0-based ranks of ``x`` among the masked entries of its row, ties averaged; NaN outside the mask.
+
+    Masked-out entries are moved to ``+inf`` so they sort after every real one; a real entry must be finite.
+    """
+    if bool((mask & ~torch.isfinite(x)).any()):
+        raise ValueError("average_ranks: values inside the mask must be finite")
+    x = torch.where(mask, x.double(), float("inf")).contiguous()
+    ordered = x.sort(-1).values
+    below = torch.searchsorted(ordered, x, right=False)
+    up_to = torch.searchsorted(ordered, x, right=True)
+    return torch.where(mask, (below + up_to - 1).double() / 2, float("nan"))
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Area under the ROC curve of ``scores`` for the boolean ``labels`` per row (Mann-Whitney U, ties count 1/2).
+
+    NaN where a row has no positive or no negative inside ``mask``.
+    """
+    ranks = average_ranks(scores, mask)
+    positive = mask & labels
+    n_pos = positive.sum(-1).double()
+    n_neg = (mask & ~labels).sum(-1).double()
+    rank_sum = torch.where(positive, ranks, 0.0).sum(-1)
+    u = rank_sum - n_pos * (n_pos - 1) / 2
+    return u / (n_pos * n_neg)  # 0/0 -> NaN where a class is missing
+
+
+def spearman(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Spearman's ρ (Pearson correlation of average ranks) per row over ``mask``; NaN if either side is constant."""
+    ra, rb = average_ranks(a, mask), average_ranks(b, mask)
+    n = mask.sum(-1, keepdim=True).double()
+    ra = torch.where(mask, ra - torch.where(mask, ra, 0.0).sum(-1, keepdim=True) / n, 0.0)
+    rb = torch.where(mask, rb - torch.where(mask, rb, 0.0).sum(-1, keepdim=True) / n, 0.0)
+    return (ra * rb).sum(-1) / ((ra * ra).sum(-1) * (rb * rb).sum(-1)).sqrt()
+
+
+# -----------------------------------------------------------------------------
+# the three views
+
+
+def reference_priorities(teacher_priority: torch.Tensor, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The reference rules as static priorities of the teacher's shape (see the module doc)."""
+    size = teacher_priority.shape[-1]
+    position = torch.arange(size, dtype=torch.float64, device=teacher_priority.device).expand(teacher_priority.shape)
+    generator = torch.Generator().manual_seed(seed)
+    noise = torch.rand(teacher_priority.shape, generator=generator, dtype=torch.float64)
+    return {"newest": position, "oldest": -position, "random": noise.to(teacher_priority.device),
+            "oracle": teacher_priority.double()}
+
+
+def decision_metrics(priority: torch.Tensor, teacher_priority: torch.Tensor, budget: Budget,
+                     decisions=None) -> dict[str, torch.Tensor]:
+    """Per row ``[...]``: ``decisions`` (count), ``keep_rate`` (teacher's), ``agreement``, ``balanced_accuracy``,
+    ``auc``. Rows without a decision give NaN (``k = 0``, or no query with more than ``k`` eligible tokens)."""
+    dec = decisions if decisions is not None else boundary_decisions(teacher_priority, budget)
+    valid, keep = dec.valid, dec.keep
+    keeps = student_keeps(priority, dec)
+    count = valid.sum(-1).double()
+    positives = keep.sum(-1).double()
+    negatives = count - positives
+    kept_right = (keeps & keep).sum(-1).double()
+    evicted_right = (~keeps & ~keep & valid).sum(-1).double()
+    margins = torch.where(valid, boundary_margins(priority.double(), dec), 0.0)
+    return {"decisions": count,
+            "keep_rate": positives / count,
+            "agreement": (kept_right + evicted_right) / count,
+            "balanced_accuracy": (kept_right / positives + evicted_right / negatives) / 2,
+            "auc": auc(margins, keep, valid)}
+
+
+def kept_long_range(priority: torch.Tensor, budget: Budget, queries) -> torch.Tensor:
+    """``[..., Q, S]`` bool: the eligible tokens held in the ``k`` long-range slots at each query position."""
+    size = priority.shape[-1]
+    evict = eviction_positions(priority, budget)  # [..., S]
+    pos = torch.arange(size, device=priority.device)
+    d = torch.as_tensor(list(queries), device=priority.device)[:, None]  # [Q, 1]
+    eligible = (pos >= budget.sink) & (pos <= d - budget.window)
+    return eligible & (d < evict[..., None, :])
+
+
+def kept_set_metrics(priority: torch.Tensor, oracle_kept: torch.Tensor, mass: torch.Tensor, budget: Budget,
+                     queries) -> dict[str, torch.Tensor]:
+    """Per row and query ``[..., Q]``: ``overlap`` = |kept ∩ oracle kept| / |oracle kept| and ``mass_ratio`` =
+    ``Σ_kept m / Σ_oracle kept m`` (``m = exp(y)``, the future attention); NaN where the oracle keeps nothing."""
+    kept = kept_long_range(priority, budget, queries)
+    n_oracle = oracle_kept.sum(-1).double()
+    both = (kept & oracle_kept).sum(-1).double()
+    mass = mass[..., None, :]
+    oracle_mass = torch.where(oracle_kept, mass, 0.0).sum(-1)
+    ratio = torch.where(kept, mass, 0.0).sum(-1) / oracle_mass
+    nothing = n_oracle == 0
+    return {"overlap": torch.where(nothing, float("nan"), both / n_oracle.clamp(min=1)),
+            "mass_ratio": torch.where(nothing, float("nan"), ratio)}
+
+
+def default_queries(size: int, budget: Budget) -> list[int]:
+    """A few query positions over the sequence, ending at the last: 1/4, 1/2, 3/4 and ``S - 1``."""
+    return sorted({max(0, size * i // 4 - 1) for i in (1, 2, 3)} | {size - 1})
+
+
+def diagnose(student: torch.Tensor, targets: torch.Tensor, budgets, *, recency: float = 0.0, queries=None,
+             seed: int = 0) -> dict:
+    """All three views for the scorer and the reference rules, per row ``[...]`` (see the module doc).
+
+    ``student``: ranked priorities ``[..., S]``; ``targets``: the teacher's ``y`` of the scorer's window, same shape;
+    ``budgets``: the training budget and the evaluation ones (one window). Returns::
+
+        {"queries": [...], "spearman": {rule: [...]},
+         "budgets": {str(budget): {"decisions": {rule: {metric: [...]}},
+                                   "kept": {rule: {"overlap" | "mass_ratio": [..., Q]}}}}}
+
+    with ``rule`` in ``("scorer", *REFERENCES)``.
+    """
+    if student.shape != targets.shape:
+        raise ValueError(f"student priorities {tuple(student.shape)} and teacher targets {tuple(targets.shape)} "
+                         f"must have the same shape [layers, B, Hkv, S]")
+    if torch.isnan(student).any() or torch.isnan(targets).any():
+        raise ValueError("priorities or targets contain NaN")
+    budgets = list(budgets)
+    if not budgets or len({b.window for b in budgets}) != 1 or len({b.sink for b in budgets}) != 1:
+        raise ValueError(f"budgets must share one sink and window (targets depend on the window), got "
+                         f"{[str(b) for b in budgets]}")
+    size = student.shape[-1]
+    student = student.detach().double()
+    targets = targets.detach().double()
+    teacher = with_recency(targets, recency)
+    rules = {"scorer": student, **reference_priorities(teacher, seed=seed)}
+    queries = default_queries(size, budgets[0]) if queries is None else sorted({int(q) for q in queries})
+    if any(q < 0 or q >= size for q in queries):
+        raise ValueError(f"query positions must lie in [0, {size}), got {queries}")
+
+    sink, window = budgets[0].sink, budgets[0].window
+    pos = torch.arange(size, device=student.device)
+    has_target = (pos >= sink) & (pos < size - window) & torch.isfinite(targets)
+    report = {"queries": queries,
+              "spearman": {name: spearman(p, teacher, has_target) for name, p in rules.items()},
+              "budgets": {}}
+    mass = torch.where(torch.isfinite(targets), targets.exp(), 0.0)
+    for budget in budgets:
+        dec = boundary_decisions(teacher, budget)
+        oracle_kept = kept_long_range(teacher, budget, queries)
+        report["budgets"][str(budget)] = {
+            "decisions": {name: decision_metrics(p, teacher, budget, dec) for name, p in rules.items()},
+            "kept": {name: kept_set_metrics(p, oracle_kept, mass, budget, queries) for name, p in rules.items()}}
+    return report
+
+
+def summarize(report: dict, dim: int = 1) -> dict:
+    """The report with every per-row tensor averaged over ``dim`` (the sequences: ``[layers, Hkv]`` remain),
+    ignoring NaN rows."""
+    def mean(value):
+        if isinstance(value, dict):
+            return {key: mean(v) for key, v in value.items()}
+        if torch.is_tensor(value):
+            return value.nanmean(dim)
+        return value
+    return mean(report)
