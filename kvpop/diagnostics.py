@@ -193,3 +193,32 @@ def summarize(report: dict, dim: int = 1) -> dict:
             return value.nanmean(dim)
         return value
     return mean(report)
+
+
+@torch.no_grad()
+def diagnose_model(model, input_ids: torch.Tensor, topks=(), *, features: str = "student", batch_size: int = 4,
+                   queries=None, seed: int = 0) -> dict:
+    """:func:`diagnose` of a retrofitted model's scorers on held-out ``input_ids [N, S]``.
+
+    The teacher is the model's own dense pass (:func:`kvpop.online.online_targets`: exact for scorer-only training,
+    where the base is frozen); the scorers read the keys and values of the student's forward under its policy's
+    budget (``features="student"``, what inference sees) or of the dense pass (``"dense"``). Budgets: the policy's
+    and one per extra long-range size in ``topks``; the teacher ranks with the policy's recency term.
+    """
+    from kvpop.online import FEATURE_SOURCES, dense_priorities, online_targets, student_priorities
+    from kvpop.retrofit import runtime_of
+
+    if features not in FEATURE_SOURCES:
+        raise ValueError(f"features must be one of {FEATURE_SOURCES}, got {features!r}")
+    policy = runtime_of(model).policy
+    students, targets = [], []
+    for batch in input_ids.split(batch_size):
+        keep = ("keys", "values") if features == "dense" else ()
+        online = online_targets(model, batch, keep=keep)
+        targets.append(online["targets"])
+        students.append(dense_priorities(model, online["keys"], online["values"]) if features == "dense"
+                        else student_priorities(model, batch))
+    budgets = [policy.budget] + [Budget(policy.budget.sink, policy.budget.window, int(k)) for k in topks
+                                 if int(k) != policy.budget.topk]
+    return diagnose(torch.cat(students, 1), torch.cat(targets, 1), budgets, recency=policy.recency,
+                    queries=queries, seed=seed)

@@ -55,6 +55,7 @@ def boundary_loss(
     tau: float = 1.0,
     weight: torch.Tensor | str | None = None,
     decisions: BoundaryDecisions | None = None,
+    balance: bool = False,
 ) -> torch.Tensor:
     """Mean over valid positions of ``ω · softplus(-z · (p[t_new] - p[t_bnd]) / τ)``.
 
@@ -62,6 +63,9 @@ def boundary_loss(
     including the recency term the policy uses. ``weight``: ``None``, ``"margin"`` (``|y[t_new] - y[t_bnd]|``
     of the teacher), or a tensor ``[..., S]`` indexed at ``t_new``. Returns 0 (with a graph, no NaN) when no
     position is valid. ``decisions`` may be passed to reuse the teacher cutoffs (they depend only on the teacher).
+    ``balance`` multiplies ω by per-row class weights ``n / (2 n_keep)`` and ``n / (2 n_evict)``: the teacher keeps
+    ``t_new`` only ~15-25 % of the time, so the plain mean is dominated by "evict" decisions (rows with one class
+    only keep weight 1).
     """
     if student.shape != teacher.shape:
         raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} priorities differ in shape")
@@ -80,8 +84,63 @@ def boundary_loss(
         term = term * torch.where(dec.valid, omega, 0.0)
     elif weight is not None:
         term = term * weight.gather(-1, dec.t_new.expand_as(dec.t_bnd))
+    if balance:
+        term = term * class_balance_weights(dec).to(term.dtype)
     term = torch.where(dec.valid, term, 0.0)
     return term.sum() / dec.valid.sum()
+
+
+def class_balance_weights(decisions: BoundaryDecisions) -> torch.Tensor:
+    """``[..., n]``: ``n / (2 n_keep)`` on keep decisions and ``n / (2 n_evict)`` on evict ones, per row, so each
+    class carries half of the row's weight (both weights 1 in a row that lacks a class)."""
+    count = decisions.valid.sum(-1, keepdim=True).double()
+    keeps = decisions.keep.sum(-1, keepdim=True).double()
+    evicts = count - keeps
+    both = (keeps > 0) & (evicts > 0)
+    w_keep = torch.where(both, count / (2 * keeps.clamp(min=1)), 1.0)
+    w_evict = torch.where(both, count / (2 * evicts.clamp(min=1)), 1.0)
+    return torch.where(decisions.keep, w_keep, w_evict)
+
+
+def random_pair_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budget, *, pairs: int, tau: float = 1.0,
+                     generator: torch.Generator | None = None) -> torch.Tensor:
+    """A ranking loss over the whole eligible set: for every ``t_new`` (that has a target), ``pairs`` partners ``u``
+    drawn uniformly from the older eligible tokens ``[sink, t_new - 1]``, with the pairwise logistic term of
+    :func:`boundary_loss` and the teacher's order (newer wins ties). Mean over pairs; 0 (with a graph) if none.
+
+    The boundary loss supervises one pair per query, at the budget's cutoff; these pairs teach the order of the
+    rest, which the cutoff of every other budget (and of the next queries) depends on.
+    """
+    if pairs < 1:
+        raise ValueError(f"pairs must be >= 1, got {pairs}")
+    if tau <= 0:
+        raise ValueError(f"tau must be > 0, got {tau}")
+    size = teacher.shape[-1]
+    s, w = budget.sink, budget.window
+    t_new = torch.arange(s + 1, max(s + 1, size - w), device=teacher.device)  # has a target and an older token
+    if t_new.numel() == 0:
+        return student.sum() * 0.0
+    draw = torch.rand(*teacher.shape[:-1], t_new.numel(), pairs, generator=generator, device="cpu")
+    older = (draw.to(teacher.device) * (t_new - s)[:, None]).long() + s  # uniform in [s, t_new - 1]
+    older = older.reshape(*teacher.shape[:-1], -1)
+    newer = t_new.repeat_interleave(pairs).expand_as(older)
+    t = teacher.detach()
+    z = (t.gather(-1, newer) >= t.gather(-1, older)).to(student.dtype) * 2 - 1
+    margin = student.gather(-1, newer) - student.gather(-1, older)
+    return F.softplus(-z * margin / tau).mean()
+
+
+def retention_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budget, *, tau: float = 1.0,
+                   weight: str | None = None, balance: bool = False, topks=(), random_pairs: int = 0,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """The retention objective with its options: :func:`boundary_loss` at ``budget`` and at every extra long-range
+    size in ``topks`` (same sink and window: the cache is evaluated at several budgets, and each ``k`` has its own
+    cutoff), averaged; plus, with ``random_pairs``, :func:`random_pair_loss` as one more equal part."""
+    budgets = [budget] + [Budget(budget.sink, budget.window, int(k)) for k in topks if int(k) != budget.topk]
+    parts = [boundary_loss(student, teacher, b, tau=tau, weight=weight, balance=balance) for b in budgets]
+    if random_pairs:
+        parts.append(random_pair_loss(student, teacher, budget, pairs=random_pairs, tau=tau, generator=generator))
+    return torch.stack(parts).mean()
 
 
 def boundary_margins(priority: torch.Tensor, decisions: BoundaryDecisions) -> torch.Tensor:

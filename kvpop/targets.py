@@ -213,6 +213,7 @@ def future_attention_targets_dense(q, k, window, *, scale=None, group_reduce="ma
 # the teacher pass: one dense forward that also yields every layer's targets and the top-K next-token logits
 
 TEACHER_ATTN = "kvpop_teacher"
+KEEPABLE = frozenset({"queries", "keys", "values"})
 
 
 def causal_attention_with_lse(q, k, v, *, scale: float, backend: str = "auto"):
@@ -240,9 +241,10 @@ def causal_attention_with_lse(q, k, v, *, scale: float, backend: str = "auto"):
 
 
 class _TeacherRecorder:
-    def __init__(self, windows, group_reduce, backend):
+    def __init__(self, windows, group_reduce, backend, keep=()):
         self.windows, self.group_reduce, self.backend = tuple(windows), group_reduce, backend
         self.targets: dict[int, dict[int, torch.Tensor]] = {w: {} for w in self.windows}
+        self.kept: dict[str, dict[int, torch.Tensor]] = {name: {} for name in keep}
 
 
 def _teacher_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -258,6 +260,9 @@ def _teacher_attention_forward(module, query, key, value, attention_mask, scalin
     for window in recorder.windows:
         recorder.targets[window][module.layer_idx] = future_attention_targets(
             query, key, window, lse=lse, scale=scale, group_reduce=recorder.group_reduce, backend=recorder.backend)
+    for name, tensor in (("queries", query), ("keys", key), ("values", value)):
+        if name in recorder.kept:  # as attention sees them (after RoPE and norms): a scorer's inputs
+            recorder.kept[name][module.layer_idx] = tensor
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -273,20 +278,25 @@ def _register_teacher() -> None:
 
 @torch.no_grad()
 def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, group_reduce: str = "max",
-                 backend: str = "auto", logits_chunk: int = 1024) -> dict:
+                 backend: str = "auto", logits_chunk: int = 1024, keep: tuple[str, ...] = ()) -> dict:
     """Run a frozen dense model once and return what training needs from it (METHOD §2, §3).
 
     Returns ``{"targets": {window: [layers, B, Hkv, S] float32}, "topk_values": [B, S, K] float32,
     "topk_indices": [B, S, K] int64}``. Targets come from the transposed pass with the forward's own LSE; the
     logits are projected ``logits_chunk`` positions at a time, so no ``[S, vocab]`` tensor is held for long S.
+    ``top_k=0`` skips the logits (scorer-only training needs none). ``keep`` names any of ``"queries"``,
+    ``"keys"``, ``"values"`` to return too: per layer, the ``[B, H, S, D]`` tensors attention saw (keys and values
+    are a scorer's inputs).
     """
     windows = sorted({int(w) for w in windows})
     if not windows or windows[0] < 1:
         raise ValueError(f"windows must be integers >= 1, got {windows}")
+    if set(keep) - KEEPABLE:
+        raise ValueError(f"keep may name {sorted(KEEPABLE)}, got {list(keep)}")
     _register_teacher()
     attn_modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
                     and hasattr(m, "k_proj")]
-    recorder = _TeacherRecorder(windows, group_reduce, backend)
+    recorder = _TeacherRecorder(windows, group_reduce, backend, keep)
     previous = model.config._attn_implementation
     for module in attn_modules:
         module._kvpop_teacher_recorder = recorder
@@ -298,13 +308,17 @@ def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, g
         model.config._attn_implementation = previous
         for module in attn_modules:
             del module._kvpop_teacher_recorder
-    head = model.get_output_embeddings()
-    values, indices = [], []
-    for start in range(0, hidden.shape[1], logits_chunk):
-        logits = head(hidden[:, start:start + logits_chunk]).float()
-        top = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
-        values.append(top.values)
-        indices.append(top.indices)
     layers = len(attn_modules)
-    targets = {w: torch.stack([recorder.targets[w][i] for i in range(layers)]) for w in windows}
-    return {"targets": targets, "topk_values": torch.cat(values, 1), "topk_indices": torch.cat(indices, 1)}
+    out = {"targets": {w: torch.stack([recorder.targets[w][i] for i in range(layers)]) for w in windows}}
+    for name, per_layer in recorder.kept.items():
+        out[name] = [per_layer[i] for i in range(layers)]
+    if top_k > 0:
+        head = model.get_output_embeddings()
+        values, indices = [], []
+        for start in range(0, hidden.shape[1], logits_chunk):
+            logits = head(hidden[:, start:start + logits_chunk]).float()
+            top = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
+            values.append(top.values)
+            indices.append(top.indices)
+        out["topk_values"], out["topk_indices"] = torch.cat(values, 1), torch.cat(indices, 1)
+    return out

@@ -35,9 +35,14 @@ State = dict[str, torch.Tensor]  # every tensor has the batch on dim 0, so a cac
 # configs: frozen dataclasses of hyperparameters, saved and loaded as plain dicts
 
 
+# what a scorer sees of each token (see token_features)
+FEATURE_SETS = ("kv", "kv_norms")
+
+
 @dataclass(frozen=True)
 class ScorerConfig:
     norm_eps: float = 1e-6  # eps of the parameter-free RMS norms
+    features: str = "kv"  # kv: [rms(k); rms(v)]; kv_norms: also the log RMS of k and of v that the norm removes
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,10 +71,17 @@ class Scorer(nn.Module, ABC):
                 raise ValueError(f"{type(self).__name__}: {arg} must be an integer >= 1, got {value!r}")
         if not isinstance(config, self.config_class):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
+        if config.features not in FEATURE_SETS:
+            raise ValueError(f"{type(self).__name__}: features must be one of {FEATURE_SETS}, got {config.features!r}")
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.window = window
         self.config = config
+        self.in_features = 2 * head_dim + (2 if config.features == "kv_norms" else 0)
+
+    def features(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """[B, H, S, D] keys and values -> [B, H, S, in_features] float32 token features (see token_features)."""
+        return token_features(keys, values, valid, self.config.norm_eps, norms=self.config.features == "kv_norms")
 
     def config_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild this scorer: `build_scorer(**scorer.config_dict())`."""
@@ -114,15 +126,22 @@ def fp32_region(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-def token_features(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, eps: float) -> torch.Tensor:
+def token_features(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, eps: float,
+                   norms: bool = False) -> torch.Tensor:
     """[B, H, S, D] keys and values -> [B, H, S, 2D] float32 features `[rms(k); rms(v)]`, detached.
 
     Detached: the retention loss trains only the scorer (METHOD §3). RMS-normalised separately, without
-    parameters: key and value scales vary by orders of magnitude across layers. Padding tokens become 0,
-    with masked_fill rather than a product, so that garbage (even NaN) there cannot leak."""
-    k = F.rms_norm(keys.detach().float(), (keys.shape[-1],), eps=eps)
-    v = F.rms_norm(values.detach().float(), (values.shape[-1],), eps=eps)
-    x = torch.cat([k, v], dim=-1)
+    parameters: key and value scales vary by orders of magnitude across layers. `norms` appends
+    `log RMS(k), log RMS(v)` ([B, H, S, 2D + 2]): the scale the normalisation removes is what sets a key's
+    attention logits (q·k grows with |k|), so within one layer and head it is informative. Padding tokens
+    become 0, with masked_fill rather than a product, so that garbage (even NaN) there cannot leak."""
+    keys, values = keys.detach().float(), values.detach().float()
+    k = F.rms_norm(keys, (keys.shape[-1],), eps=eps)
+    v = F.rms_norm(values, (values.shape[-1],), eps=eps)
+    parts = [k, v]
+    if norms:
+        parts += [0.5 * (t.square().mean(-1, keepdim=True) + eps).log() for t in (keys, values)]
+    x = torch.cat(parts, dim=-1)
     if valid is not None:
         x = x.masked_fill(~valid.bool()[:, None, :, None], 0.0)
     return x

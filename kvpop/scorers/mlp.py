@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpop.scorers.base import (PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_from_sequence, ring_swap,
-                                token_features)
+from kvpop.scorers.base import PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_from_sequence, ring_swap
 
 
 @dataclass(frozen=True)
@@ -26,12 +25,12 @@ class MLPScorer(Scorer):
 
     def __init__(self, num_kv_heads: int, head_dim: int, window: int, config: MLPConfig = MLPConfig()):
         super().__init__(num_kv_heads, head_dim, window, config)
-        self.mlp = PerHeadMLP(num_kv_heads, 2 * head_dim, config.hidden)
+        self.mlp = PerHeadMLP(num_kv_heads, self.in_features, config.hidden)
 
     def forward(self, keys, values, valid=None, return_state=False):
         B, _, S, _ = keys.shape
         with fp32_region(keys.device):
-            p = self.mlp(token_features(keys, values, valid, self.config.norm_eps))  # [B, H, S]
+            p = self.mlp(self.features(keys, values, valid))  # [B, H, S]
         if not return_state:
             return p
         state = {"p_ring": ring_from_sequence(p, self.window),
@@ -44,8 +43,7 @@ class MLPScorer(Scorer):
 
     def step(self, key, value, state, valid=None):
         with fp32_region(key.device):
-            x = token_features(key[:, :, None], value[:, :, None], None if valid is None else valid[:, None],
-                               self.config.norm_eps)
+            x = self.features(key[:, :, None], value[:, :, None], None if valid is None else valid[:, None])
             p_new = self.mlp(x)[:, :, 0]  # [B, H]
         p_out, p_ring = ring_swap(state["p_ring"], state["pos"], p_new)
         return p_out, {"p_ring": p_ring, "pos": state["pos"] + 1}

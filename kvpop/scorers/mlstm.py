@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from mlstm_kernels.torch.backend_module import mLSTMBackend, mLSTMBackendConfig
 
 from kvpop.scorers.base import (PerHeadLinear, PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_from_sequence,
-                                ring_swap, token_features)
+                                ring_swap)
 
 # Triton's tl.dot rounds float32 inputs to TF32 by default: measured on an H200, the Triton mLSTM kernels then
 # disagree with the native ones and with step() by ~3e-3 in priority (IEEE: ~4e-6, and no slower). The choice is
@@ -79,12 +79,12 @@ class MLSTMScorer(Scorer):
         super().__init__(num_kv_heads, head_dim, window, config)
         H, NH, dqk, dv = num_kv_heads, config.num_heads, config.qk_dim, config.v_dim
         # one projection per KV head to every mLSTM head's q, k, v and gate pre-activations
-        self.proj = PerHeadLinear(H, 2 * head_dim, NH * (2 * dqk + dv + 2))
+        self.proj = PerHeadLinear(H, self.in_features, NH * (2 * dqk + dv + 2))
         with torch.no_grad():
             f_bias = torch.linspace(config.forget_bias_min, config.forget_bias_max, H * NH).view(H, NH)
             self.proj.bias[:, -NH:] = f_bias
         self.readout = PerHeadLinear(H, NH * dv, 1)
-        self.own = PerHeadMLP(H, 2 * head_dim, config.mlp_hidden)
+        self.own = PerHeadMLP(H, self.in_features, config.mlp_hidden)
         self._backends: dict[str, mLSTMBackend] = {}  # built lazily per device kind; they hold no parameters
 
     # --- pieces shared by forward() and step()
@@ -131,7 +131,7 @@ class MLSTMScorer(Scorer):
         B, H, S, _ = keys.shape
         NH, W, L = self.config.num_heads, self.window, self.config.chunk_size
         with fp32_region(keys.device):
-            x = token_features(keys, values, valid, self.config.norm_eps)
+            x = self.features(keys, values, valid)
             own = self.own(x)  # [B, H, S]
             q, k, v, i, f = self._project(x, valid)
 
@@ -183,7 +183,7 @@ class MLSTMScorer(Scorer):
         pos = state["pos"]
         with fp32_region(key.device):
             valid_seq = None if valid is None else valid[:, None]
-            x = token_features(key[:, :, None], value[:, :, None], valid_seq, self.config.norm_eps)
+            x = self.features(key[:, :, None], value[:, :, None], valid_seq)
             own = self.own(x)[:, :, 0]  # [B, H]
             q, k, v, i, f = (t[:, :, :, 0] for t in self._project(x, valid_seq))  # drop the S=1 axis
             new_state = {"pos": pos + 1}

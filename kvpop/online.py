@@ -1,0 +1,82 @@
+"""Online targets for scorer-only training: the training step computes its own supervision (METHOD §2, §3).
+
+In scorer-only mode the base model is frozen, so a retrofitted model is its own teacher. One dense pass of it
+(:func:`kvpop.targets.teacher_pass`: the forward with its LSE, then the transposed target pass per layer) yields
+every layer's targets for the scorers' window — what the precompute stage stores — with no Parquet in between.
+
+Where the scorers' inputs come from (``features``):
+
+* ``"dense"``: the keys and values of that same dense pass, so one forward per step. At inference the scorers read
+  the keys and values of the *sparse* forward, which differ from layer 1 on (earlier layers attended to fewer
+  tokens): a train/inference mismatch, small where the budget holds most of the attention.
+* ``"student"``: a second forward of the student under its own mask, as the precomputed pipeline trains: the real
+  inputs, at the cost of a second forward.
+"""
+from __future__ import annotations
+
+import torch
+
+from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss
+from kvpop.retrofit import attention_modules, collect_priorities, runtime_of
+from kvpop.retention import with_recency
+from kvpop.targets import teacher_pass
+
+FEATURE_SOURCES = ("dense", "student")
+
+
+def _scorer_window(model) -> int:
+    runtime = runtime_of(model)
+    if runtime.scorer_spec is None or runtime.policy.name != "kvpop":
+        raise ValueError("online targets train scorers: retrofit the model with a scorer and the kvpop policy")
+    return attention_modules(model)[0].kvpop_scorer.window
+
+
+def online_targets(model, input_ids: torch.Tensor, *, group_reduce: str = "max", backend: str = "auto",
+                   keep: tuple[str, ...] = ()) -> dict:
+    """``{"targets": [layers, B, Hkv, S]}`` for the scorers' window from one dense pass of the retrofitted model
+    (and the per-layer ``keep`` tensors of :func:`kvpop.targets.teacher_pass`). No gradient."""
+    window = _scorer_window(model)
+    out = teacher_pass(model, input_ids, [window], top_k=0, group_reduce=group_reduce, backend=backend, keep=keep)
+    return {"targets": out["targets"][window], **{name: out[name] for name in keep}}
+
+
+def dense_priorities(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """Ranked priorities ``[layers, B, Hkv, S]`` (scorer output + the policy's recency term, with grad) of each
+    layer's scorer on the given per-layer ``[B, Hkv, S, D]`` keys and values."""
+    runtime = runtime_of(model)
+    out = []
+    for module, k, v in zip(attention_modules(model), keys, values, strict=True):
+        positions = torch.arange(k.shape[2], device=k.device)
+        out.append(runtime.policy.ranked(module.kvpop_scorer(k, v), positions))
+    return torch.stack(out)
+
+
+def student_priorities(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Ranked priorities ``[layers, B, Hkv, S]`` (with grad) from a forward of the student under its own mask."""
+    with collect_priorities(model) as store:
+        getattr(model, model.base_model_prefix)(input_ids=input_ids, use_cache=False)  # no LM head: not needed
+    return torch.stack([store[i] for i in range(len(store))]).float()
+
+
+def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense", group_reduce: str = "max",
+                     backend: str = "auto", **loss_options) -> dict:
+    """One scorer-only training step's forward: targets online, priorities, and the retention loss.
+
+    ``loss_options`` go to :func:`kvpop.losses.retention_loss` (``tau``, ``weight``, ``balance``, ``topks``,
+    ``random_pairs``, ``generator``); the teacher ranks by target + the policy's recency term (METHOD §3).
+    Returns ``{"loss", "boundary_acc", "student", "targets"}`` (``loss`` carries the scorers' gradient).
+    """
+    if features not in FEATURE_SOURCES:
+        raise ValueError(f"features must be one of {FEATURE_SOURCES}, got {features!r}")
+    policy = runtime_of(model).policy
+    keep = ("keys", "values") if features == "dense" else ()
+    online = online_targets(model, input_ids, group_reduce=group_reduce, backend=backend, keep=keep)
+    if features == "dense":
+        student = dense_priorities(model, online["keys"], online["values"])
+    else:
+        student = student_priorities(model, input_ids)
+    teacher = with_recency(online["targets"], policy.recency)
+    loss = retention_loss(student, teacher, policy.budget, **loss_options)
+    with torch.no_grad():
+        acc = boundary_agreement(student.detach(), boundary_decisions(teacher, policy.budget))
+    return {"loss": loss, "boundary_acc": acc, "student": student, "targets": online["targets"]}

@@ -1,0 +1,102 @@
+"""Online targets (kvpop.online): the same targets as the precompute stage, the scorers' real inputs, a training step."""
+import copy
+
+import pytest
+import torch
+
+import kvpop
+from kvpop import Budget
+from kvpop.diagnostics import diagnose_model
+from kvpop.online import dense_priorities, online_targets, scorer_only_step, student_priorities
+from kvpop.targets import future_attention_targets_dense, teacher_pass
+from tests.models import tiny_model
+
+S = 48
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def retrofitted(budget=Budget(2, 6, 8), scorer="mlstm", **options):
+    base = tiny_model("llama", "gqa", layers=2)
+    model = kvpop.retrofit(copy.deepcopy(base), budget, scorer=scorer,
+                           scorer_options={"qk_dim": 16, "v_dim": 16, **options} if scorer == "mlstm" else options)
+    return base, model
+
+
+def test_online_targets_equal_the_precomputed_ones():
+    from pipelines.precompute import compute_rows, target_column
+
+    base, model = retrofitted()
+    ids = torch.randint(0, 97, (2, S))
+    online = online_targets(model, ids, keep=("queries", "keys"))
+    stored = compute_rows(base, ids.numpy(), [6], top_k=4)[target_column(6)]  # [B, L, Hkv, S]
+    torch.testing.assert_close(online["targets"], torch.from_numpy(stored).permute(1, 0, 2, 3), atol=1e-5, rtol=0)
+    for layer in range(2):  # and against the fp64 brute force on the queries and keys the pass saw
+        brute = future_attention_targets_dense(online["queries"][layer], online["keys"][layer], 6)
+        finite = torch.isfinite(brute)
+        assert torch.equal(finite, torch.isfinite(online["targets"][layer]))
+        torch.testing.assert_close(online["targets"][layer][finite], brute[finite], atol=1e-5, rtol=0)
+    assert model.config._attn_implementation == "kvpop"  # restored after the pass
+
+
+def test_dense_features_are_what_a_never_evicting_student_sees():
+    """With room for every token the sparse forward is the dense one: the scorers' inputs must be identical."""
+    _, model = retrofitted(Budget(2, 6, S))
+    kvpop.set_policy(model, "kvpop", Budget(2, 6, S), recency=0.05)
+    ids = torch.randint(0, 97, (2, S))
+    online = online_targets(model, ids, keep=("keys", "values"))
+    with torch.no_grad():
+        dense = dense_priorities(model, online["keys"], online["values"])
+        student = student_priorities(model, ids)
+    torch.testing.assert_close(dense, student, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("features", ["dense", "student"])
+def test_scorer_only_step_trains_only_the_scorers(features):
+    _, model = retrofitted(scorer="mlp")
+    for name, param in model.named_parameters():
+        param.requires_grad_(".kvpop_scorer." in name)
+    ids = torch.randint(0, 97, (2, S))
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.05)
+    first = None
+    for _ in range(15):
+        out = scorer_only_step(model, ids, features=features, balance=True, topks=[4])
+        first = first if first is not None else out["loss"].item()
+        optimizer.zero_grad()
+        out["loss"].backward()
+        optimizer.step()
+    assert out["loss"].item() < first
+    assert out["student"].shape == out["targets"].shape == (2, 2, 2, S)
+    assert all(p.grad is None for n, p in model.named_parameters() if ".kvpop_scorer." not in n)
+
+
+def test_diagnose_model_runs_on_both_feature_sources():
+    _, model = retrofitted()
+    ids = torch.randint(0, 97, (3, S))
+    for features in ("student", "dense"):
+        report = diagnose_model(model, ids, topks=[4, 8], features=features, batch_size=2)
+        assert list(report["budgets"]) == ["s2-w6-k8", "s2-w6-k4"]
+        dec = report["budgets"]["s2-w6-k8"]["decisions"]
+        assert dec["scorer"]["agreement"].shape == (2, 3, 2)
+        assert (dec["oracle"]["agreement"] == 1).all()
+
+
+def test_bad_use_is_refused():
+    base = tiny_model("llama", "gqa", layers=2)
+    ids = torch.randint(0, 97, (1, S))
+    with pytest.raises(ValueError, match="not retrofitted"):
+        online_targets(base, ids)
+    plain = kvpop.retrofit(copy.deepcopy(base), Budget(2, 6, 8), scorer=None, policy="streaming")
+    with pytest.raises(ValueError, match="kvpop policy"):
+        online_targets(plain, ids)
+    _, model = retrofitted()
+    with pytest.raises(ValueError, match="features"):
+        scorer_only_step(model, ids, features="sparse")
+    with pytest.raises(ValueError, match="keep may name"):
+        teacher_pass(model, ids, [6], keep=("logits",))
