@@ -11,8 +11,8 @@ Features a scorer cannot see today (the attention a token received while in the 
 
 Held-out metrics come from :func:`kvpop.diagnostics.diagnose` against the plain (λ = 0) teacher — the METHOD §1
 oracle — at the training budget and the evaluation budgets, per layer, KV head and sequence. Every comparison with
-the baseline is a paired bootstrap over held-out sequences (95 % interval of the mean difference; the project's
-``pipelines/stats.py`` was not there yet when this was written, so a 20-line one lives here).
+its reference is a paired bootstrap over held-out sequences (95 % interval of the mean difference:
+``benchmarks/bootstrap.py``, until the project's ``pipelines/stats.py`` lands).
 
     python benchmarks/scorer_study.py prepare                   # the cache (~10 min on one core at S = 512)
     python benchmarks/scorer_study.py run baseline norms …      # one JSON per variant (skipped when present)
@@ -36,6 +36,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from benchmarks.bootstrap import format_interval, paired_bootstrap  # noqa: E402
 from kvpop import Budget  # noqa: E402
 from kvpop.diagnostics import diagnose  # noqa: E402
 from kvpop.losses import retention_loss  # noqa: E402
@@ -49,32 +50,34 @@ EVAL_TOPKS = (8, 32, 128)
 HEADLINE = ("balanced_accuracy", "auc", "agreement")
 
 BASE = {"scorer": "mlstm", "options": {}, "loss": {}, "recency": 0.0, "train": 64, "steps": 400, "lr": 3e-3,
-        "batch": 4, "extras": [], "eval_every": 100, "seed": 0}
-VARIANTS = {
+        "batch": 4, "extras": [], "eval_every": 100, "seed": 0, "vs": "baseline"}
+VARIANTS = {  # each changes one thing against its reference ("vs"; the mLSTM baseline unless said)
     "baseline": {},
     # data and steps
     "data16": {"train": 16},
     "data256": {"train": 256},
-    "data256-steps1600": {"train": 256, "steps": 1600},
+    "data256-steps1200": {"train": 256, "steps": 1200},
     "steps100": {"steps": 100},
-    # scorer and input features
-    "mlp": {"scorer": "mlp"},
+    # input features
     "norms": {"options": {"features": "kv_norms"}},
-    "mlp-norms": {"scorer": "mlp", "options": {"features": "kv_norms"}},
-    "probe-mlp+window_attn": {"scorer": "mlp", "extras": ["window_attn"]},
-    "probe-mlp+position": {"scorer": "mlp", "extras": ["position"]},
-    "probe-mlp+norms+window_attn+position": {"scorer": "mlp", "options": {"features": "kv_norms"},
-                                            "extras": ["window_attn", "position"]},
-    # the loss
+    # the loss, τ, λ
     "balance": {"loss": {"balance": True}},
     "margin": {"loss": {"weight": "margin"}},
     "multik": {"loss": {"topks": [8, 16, 64, 128]}},
     "pairs4": {"loss": {"random_pairs": 4}},
     "tau0.3": {"loss": {"tau": 0.3}},
-    "tau3": {"loss": {"tau": 3.0}},
-    "recency0.002": {"recency": 0.002},
     "recency0.01": {"recency": 0.01},
-    "lr1e-2": {"lr": 1e-2},
+    # the stateless scorer (10x cheaper to train: the fast bench for probes of inputs no scorer sees today)
+    "mlp": {"scorer": "mlp"},
+    "mlp-norms": {"scorer": "mlp", "options": {"features": "kv_norms"}, "vs": "mlp"},
+    "mlp-balance": {"scorer": "mlp", "loss": {"balance": True}, "vs": "mlp"},
+    "mlp-multik": {"scorer": "mlp", "loss": {"topks": [8, 16, 64, 128]}, "vs": "mlp"},
+    "mlp-pairs4": {"scorer": "mlp", "loss": {"random_pairs": 4}, "vs": "mlp"},
+    "mlp-data256": {"scorer": "mlp", "train": 256, "vs": "mlp"},
+    "probe-mlp+window_attn": {"scorer": "mlp", "extras": ["window_attn"], "vs": "mlp"},
+    "probe-mlp+position": {"scorer": "mlp", "extras": ["position"], "vs": "mlp"},
+    "probe-mlp+norms+window_attn+position": {"scorer": "mlp", "options": {"features": "kv_norms"},
+                                            "extras": ["window_attn", "position"], "vs": "mlp"},
 }
 
 
@@ -242,20 +245,6 @@ def evaluate(models, data: dict, extra, recency: float) -> dict:
     return out
 
 
-def paired_bootstrap(a, b, resamples: int = 4000, seed: int = 0) -> dict:
-    """Mean of ``a - b`` over paired items and its 95 % percentile interval (resampling the items)."""
-    diff = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
-    keep = ~torch.isnan(diff)
-    diff = diff[keep]
-    if diff.numel() == 0:
-        return {"mean": math.nan, "low": math.nan, "high": math.nan, "n": 0}
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, diff.numel(), (resamples, diff.numel()), generator=g)
-    means = diff[idx].mean(1)
-    low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"mean": diff.mean().item(), "low": low, "high": high, "n": int(diff.numel())}
-
-
 # ------------------------------------------------------------------------------------------------ training
 def run_variant(args, name: str) -> dict:
     spec = variant_spec(name)
@@ -332,10 +321,12 @@ def report(args) -> None:
         row = {"variant": name, "train_tokens": results[name]["spec"]["train"] * args.seq_len,
                "steps": results[name]["spec"]["steps"],
                "in_sample_BA": mean(results[name]["in_sample"]["per_sequence"][cols[0][0]])}
+        ref = results.get(results[name]["spec"].get("vs", "baseline"))
+        row["vs"] = None if ref is None or ref is results[name] else ref["variant"]
         for key, label in cols:
             row[label] = mean(held[key])
-            if name != "baseline":
-                row[f"Δ {label}"] = paired_bootstrap(held[key], base["held_out"]["per_sequence"][key])
+            if row["vs"]:
+                row[f"Δ {label}"] = paired_bootstrap(held[key], ref["held_out"]["per_sequence"][key])
         rows.append(row)
         table[name] = row
     refs = {rule: {label: mean(base["held_out"]["per_sequence"][key.replace("scorer", rule)]) for key, label in cols}
@@ -354,11 +345,6 @@ def report(args) -> None:
     print(out.with_suffix(".md").read_text())
 
 
-def _fmt_delta(d: dict) -> str:
-    mark = "" if d["low"] <= 0 <= d["high"] else " *"
-    return f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]{mark}"
-
-
 def render(payload: dict, cols) -> str:
     meta = payload["meta"]
     lines = [f"# Scorer study ({meta['machine']})", "",
@@ -374,13 +360,13 @@ def render(payload: dict, cols) -> str:
                      + " | ".join(f"{row[label]:.3f}" for _, label in cols) + " |")
     for rule, vals in payload["references"].items():
         lines.append(f"| *{rule}* | | | | " + " | ".join(f"{vals[label]:.3f}" for _, label in cols) + " |")
-    lines += ["", "Paired differences vs the baseline:", "",
-              "| variant | " + " | ".join(f"Δ {label}" for _, label in cols[:3] + cols[5:7]) + " |",
-              "|---|" + "---|" * 5]
+    lines += ["", "Paired differences vs each variant's reference:", "",
+              "| variant | vs | " + " | ".join(f"Δ {label}" for _, label in cols[:3] + cols[5:7]) + " |",
+              "|---|---|" + "---|" * 5]
     for row in payload["rows"]:
-        if row["variant"] == "baseline":
+        if not row["vs"]:
             continue
-        lines.append(f"| {row['variant']} | " + " | ".join(_fmt_delta(row[f"Δ {label}"])
+        lines.append(f"| {row['variant']} | {row['vs']} | " + " | ".join(format_interval(row[f"Δ {label}"])
                                                        for _, label in cols[:3] + cols[5:7]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -408,7 +394,7 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=256, help="training sequences in the cache")
     parser.add_argument("--eval", type=int, default=32, help="held-out sequences in the cache")
     parser.add_argument("--part", type=int, default=16, help="sequences per cache file")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the box is shared)")
     parser.add_argument("--force", action="store_true", help="re-run variants that have a result")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "scorer_study_cpu"))
     args = parser.parse_args()
