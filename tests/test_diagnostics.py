@@ -207,3 +207,21 @@ def test_bad_input_is_refused():
         diagnose(a, a, [Budget(0, 2, 2), Budget(0, 3, 2)])
     with pytest.raises(ValueError, match="query positions"):
         diagnose(a, a, [Budget(0, 2, 2)], queries=[10])
+
+
+def test_mlflow_metrics_and_figure(tmp_path):
+    """The tracking view: flat metric names per budget/rule and a per-layer figure that shows recency as such."""
+    from pipelines.scorer_diagnostics import diagnostics_figure, flat_metrics
+
+    torch.manual_seed(0)
+    targets = torch.randn(3, 2, 2, 64)
+    report = diagnose(torch.arange(64.).expand(3, 2, 2, 64), targets, [Budget(2, 4, 6), Budget(2, 4, 0)])
+    flat = flat_metrics(report)
+    assert flat["diag.s2-w4-k6.newest.balanced_accuracy"] == 0.5
+    assert flat["diag.s2-w4-k6.scorer.agreement"] == flat["diag.s2-w4-k6.newest.agreement"]
+    assert flat["diag.s2-w4-k6.oracle.overlap_end"] == 1.0
+    assert {f"diag.s2-w4-k6.scorer.balanced_accuracy.layer{i:02d}" for i in range(3)} <= set(flat)
+    assert not any(key.startswith("diag.s2-w4-k0.") and "decisions" not in key for key in flat)  # NaN left out
+    assert all(not math.isnan(v) for v in flat.values())
+    fig = diagnostics_figure(report, path=tmp_path / "diag.png")
+    assert (tmp_path / "diag.png").stat().st_size > 0 and len(fig.axes) == 2

@@ -10,16 +10,9 @@ from kvpop.diagnostics import diagnose_model
 from kvpop.online import dense_priorities, online_targets, scorer_only_step, student_priorities
 from kvpop.targets import future_attention_targets_dense, teacher_pass
 from tests.models import tiny_model
+from tests.test_scorers import one_thread  # noqa: F401  (autouse: tiny models on one thread)
 
 S = 48
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def retrofitted(budget=Budget(2, 6, 8), scorer="mlstm", **options):
