@@ -55,6 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--train-topks", type=int, nargs="*", default=[],
                    help="more long-range sizes trained at once (retention_loss topks)")
     p.add_argument("--eval-crs", type=float, nargs="+", default=[0.875, 0.9375])
+    p.add_argument("--eval-topks", type=int, nargs="*", default=[], help="evaluation budgets as long-range sizes "
+                   "(instead of --eval-crs)")
     p.add_argument("--checkpoints", type=float, nargs="+", default=[0.5e6, 1e6, 2e6, 4e6, 8e6, 16e6],
                    help="training-token counts at which the held-out set is evaluated (the last ends training)")
     p.add_argument("--scorer", default="mlstm")
@@ -95,6 +97,8 @@ def budgets_for(args):
     from kvpop import Budget
 
     train = Budget(args.sink, args.window, args.topk)
+    if args.eval_topks:
+        return train, [Budget(args.sink, args.window, k) for k in args.eval_topks]
     evals = []
     for cr in args.eval_crs:
         total = round(args.seq_len * (1 - cr))

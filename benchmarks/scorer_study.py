@@ -352,7 +352,8 @@ def render(payload: dict, cols) -> str:
              f"layers {list(meta['layers'])} trained on the dense pass's keys/values (scorer-only decomposes by "
              f"layer), {meta['held_out_sequences']} held-out sequences. Metrics: `kvpop.diagnostics` against the "
              f"λ = 0 teacher, mean over layers, KV heads and sequences; kept sets at the last position. Δ: paired "
-             f"bootstrap over held-out sequences vs the baseline, mean [95 % interval], * where it excludes 0.", "",
+             f"bootstrap over held-out sequences vs the variant's reference (`vs`), mean [95 % interval], * where "
+             f"it excludes 0.", "",
              "| variant | train tokens | steps | in-sample BA | " + " | ".join(label for _, label in cols) + " |",
              "|---|---|---|---|" + "---|" * len(cols)]
     for row in payload["rows"]:
