@@ -192,6 +192,7 @@ def run(args) -> dict:
     import torch
 
     import kvpop
+    from kvpop.losses import check_retention_options
     from kvpop.online import scorer_only_step
     from kvpop.pretrained import load_pretrained, smollm2_dir
 
@@ -221,7 +222,7 @@ def run(args) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
-    loss_options = json.loads(args.loss_options)
+    loss_options = check_retention_options(json.loads(args.loss_options))
     if args.train_topks:
         loss_options["topks"] = args.train_topks
     eval_topks = [b.topk for b in eval_budgets]

@@ -65,6 +65,7 @@ VARIANTS = {  # each changes one thing against its reference ("vs"; the mLSTM ba
     "margin": {"loss": {"weight": "margin"}},
     "multik": {"loss": {"topks": [8, 16, 64, 128]}},
     "pairs4": {"loss": {"random_pairs": 4}},
+    "multik+pairs4": {"loss": {"topks": [8, 16, 64, 128], "random_pairs": 4}},
     "tau0.3": {"loss": {"tau": 0.3}},
     "recency0.01": {"recency": 0.01},
     # the stateless scorer (10x cheaper to train: the fast bench for probes of inputs no scorer sees today)
@@ -74,6 +75,9 @@ VARIANTS = {  # each changes one thing against its reference ("vs"; the mLSTM ba
     "mlp-multik": {"scorer": "mlp", "loss": {"topks": [8, 16, 64, 128]}, "vs": "mlp"},
     "mlp-pairs4": {"scorer": "mlp", "loss": {"random_pairs": 4}, "vs": "mlp"},
     "mlp-data256": {"scorer": "mlp", "train": 256, "vs": "mlp"},
+    "mlp-multik+pairs4": {"scorer": "mlp", "loss": {"topks": [8, 16, 64, 128], "random_pairs": 4}, "vs": "mlp"},
+    "mlp-multik+pairs4-data256": {"scorer": "mlp", "loss": {"topks": [8, 16, 64, 128], "random_pairs": 4},
+                                  "train": 256, "vs": "mlp-data256"},
     "probe-mlp+window_attn": {"scorer": "mlp", "extras": ["window_attn"], "vs": "mlp"},
     "probe-mlp+position": {"scorer": "mlp", "extras": ["position"], "vs": "mlp"},
     "probe-mlp+norms+window_attn+position": {"scorer": "mlp", "options": {"features": "kv_norms"},

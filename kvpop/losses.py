@@ -120,7 +120,8 @@ def random_pair_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budge
     t_new = torch.arange(s + 1, max(s + 1, size - w), device=teacher.device)  # has a target and an older token
     if t_new.numel() == 0:
         return student.sum() * 0.0
-    draw = torch.rand(*teacher.shape[:-1], t_new.numel(), pairs, generator=generator, device="cpu")
+    draw = torch.rand(*teacher.shape[:-1], t_new.numel(), pairs, generator=generator,
+                      device=generator.device if generator is not None else teacher.device)
     older = (draw.to(teacher.device) * (t_new - s)[:, None]).long() + s  # uniform in [s, t_new - 1]
     older = older.reshape(*teacher.shape[:-1], -1)
     newer = t_new.repeat_interleave(pairs).expand_as(older)
@@ -128,6 +129,34 @@ def random_pair_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budge
     z = (t.gather(-1, newer) >= t.gather(-1, older)).to(student.dtype) * 2 - 1
     margin = student.gather(-1, newer) - student.gather(-1, older)
     return F.softplus(-z * margin / tau).mean()
+
+
+RETENTION_OPTIONS = ("tau", "weight", "balance", "topks", "random_pairs")
+
+
+def check_retention_options(options: dict) -> dict:
+    """``options`` for :func:`retention_loss` as a config gives them (e.g. ``train.loss_options``), checked: unknown
+    names and bad values are a ``ValueError`` that lists what is allowed."""
+    unknown = sorted(set(options) - set(RETENTION_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown retention loss option(s) {unknown}; known: {list(RETENTION_OPTIONS)}")
+    out = dict(options)
+    if "tau" in out and not (isinstance(out["tau"], (int, float)) and out["tau"] > 0):
+        raise ValueError(f"tau must be a number > 0, got {out['tau']!r}")
+    if out.get("weight") not in (None, "none", "margin"):
+        raise ValueError(f"weight must be none or margin, got {out['weight']!r}")
+    if out.get("weight") == "none":
+        out["weight"] = None
+    if "balance" in out and not isinstance(out["balance"], bool):
+        raise ValueError(f"balance must be true or false, got {out['balance']!r}")
+    topks = out.get("topks", [])
+    if not isinstance(topks, (list, tuple)) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
+                                                       for k in topks):
+        raise ValueError(f"topks must be a list of long-range sizes >= 1, got {topks!r}")
+    pairs = out.get("random_pairs", 0)
+    if not isinstance(pairs, int) or isinstance(pairs, bool) or pairs < 0:
+        raise ValueError(f"random_pairs must be an integer >= 0, got {pairs!r}")
+    return out
 
 
 def retention_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budget, *, tau: float = 1.0,

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from kvpop import Budget
-from kvpop.losses import (boundary_decisions, boundary_loss, class_balance_weights, random_pair_loss,
-                          retention_loss)
+from kvpop.losses import (boundary_decisions, boundary_loss, check_retention_options, class_balance_weights,
+                          random_pair_loss, retention_loss)
 from kvpop.scorers import build_scorer
 from tests.test_losses import reference_terms
 
@@ -141,3 +141,12 @@ def test_norm_features_keep_the_step_contract():
         out, _ = run_steps(scorer, keys, values, scorer.init_state(2, "cpu"), 0)
     assert_steps_match(out, p, 5)
     assert not math.isnan(p.sum().item())
+
+
+def test_retention_options_from_a_config_are_checked():
+    assert check_retention_options({"weight": "none", "topks": [8, 16]}) == {"weight": None, "topks": [8, 16]}
+    for bad, match in (({"lambda": 1}, "unknown retention loss option"), ({"tau": 0}, "tau"),
+                       ({"weight": "huber"}, "weight"), ({"balance": 1}, "balance"), ({"topks": [0]}, "topks"),
+                       ({"topks": 8}, "topks"), ({"random_pairs": -1}, "random_pairs")):
+        with pytest.raises(ValueError, match=match):
+            check_retention_options(bad)
