@@ -377,18 +377,30 @@ def render(payload: dict, cols) -> str:
 
 
 def plot(payload: dict, path: Path) -> None:
+    """Per layer: balanced accuracy of the decisions and the share of the oracle's kept future attention, for the
+    baseline, the variant that keeps the most of it, and the reference rules."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     from pipelines.scorer_diagnostics import per_layer_figure
 
-    per_layer = payload["per_layer"]
-    key = f"{BUDGET}.{{rule}}.balanced_accuracy"
-    curves = {"scorer": per_layer["baseline"][key.format(rule="scorer")]}
-    best = max((r for r in payload["rows"] if r["variant"] != "baseline"), key=lambda r: r["BA k32"], default=None)
-    if best is not None:
-        curves[f"best variant: {best['variant']}"] = per_layer[best["variant"]][key.format(rule="scorer")]
-    for rule in ("newest", "oldest", "random"):
-        curves[rule] = per_layer["baseline"][key.format(rule=rule)]
-    per_layer_figure(list(payload["meta"]["layers"]), curves, path,
-                     title=f"held-out balanced accuracy of keep/evict decisions at {BUDGET}")
+    per_layer, layers = payload["per_layer"], list(payload["meta"]["layers"])
+    best = max((r for r in payload["rows"] if r["variant"] != "baseline"), key=lambda r: r["mass k32"], default=None)
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    for ax, metric, label in ((axes[0], "balanced_accuracy", "balanced accuracy of keep/evict decisions"),
+                              (axes[1], "mass_ratio_end", "oracle's kept future attention held at the end")):
+        key = f"{BUDGET}.{{rule}}.{metric}"
+        curves = {"scorer": per_layer["baseline"][key.format(rule="scorer")]}
+        if best is not None:
+            curves[f"best variant: {best['variant']}"] = per_layer[best["variant"]][key.format(rule="scorer")]
+        for rule in ("newest", "oldest", "random"):
+            curves[rule] = per_layer["baseline"][key.format(rule=rule)]
+        per_layer_figure(layers, curves, ax=ax, ylabel=metric.replace("_", " "),
+                         title=f"held-out, {BUDGET}: {label}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
 
 
 def main() -> None:

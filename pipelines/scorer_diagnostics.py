@@ -51,7 +51,7 @@ def per_layer_figure(layers, curves: dict, path=None, *, title: str = "", ylabel
     if ax is None:
         fig, ax = plt.subplots(figsize=(8, 3.6))
     for name, values in curves.items():
-        color, style, marker = STYLE.get(name, (None, "-", "o"))
+        color, style, marker = STYLE.get(name, ("C3", "-", "s"))  # anything else: a second scorer
         ax.plot(list(layers), values, label=name, color=color, linestyle=style, marker=marker, markersize=3)
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
