@@ -47,7 +47,7 @@ from kvpop.scorers.base import PerHeadMLP, fp32_region  # noqa: E402
 LAYERS = (0, 4, 8, 12, 16, 20, 24, 29)  # of SmolLM2's 30
 BUDGET = Budget(4, 64, 32)  # the default config's
 EVAL_TOPKS = (8, 32, 128)
-HEADLINE = ("balanced_accuracy", "auc", "agreement")
+HEADLINE = ("balanced_accuracy", "auc", "agreement", "weighted_agreement")
 
 BASE = {"scorer": "mlstm", "options": {}, "loss": {}, "recency": 0.0, "train": 64, "steps": 400, "lr": 3e-3,
         "batch": 4, "extras": [], "eval_every": 100, "seed": 0, "vs": "baseline"}
@@ -315,7 +315,9 @@ def report(args) -> None:
     order = [v for v in VARIANTS if v in results]
     train_key = str(BUDGET)
     cols = [(f"{train_key}.scorer.balanced_accuracy", "BA k32"), (f"{train_key}.scorer.auc", "AUC k32"),
-            (f"{train_key}.scorer.agreement", "agree k32"), (f"{EVAL_BUDGETS[0]}.scorer.balanced_accuracy", "BA k8"),
+            (f"{train_key}.scorer.agreement", "agree k32"),
+            (f"{train_key}.scorer.weighted_agreement", "w-agree k32"),
+            (f"{EVAL_BUDGETS[0]}.scorer.balanced_accuracy", "BA k8"),
             (f"{EVAL_BUDGETS[2]}.scorer.balanced_accuracy", "BA k128"),
             (f"{train_key}.scorer.overlap_end", "overlap k32"), (f"{train_key}.scorer.mass_ratio_end", "mass k32"),
             ("scorer.spearman", "Spearman")]
@@ -328,13 +330,15 @@ def report(args) -> None:
         ref = results.get(results[name]["spec"].get("vs", "baseline"))
         row["vs"] = None if ref is None or ref is results[name] else ref["variant"]
         for key, label in cols:
-            row[label] = mean(held[key])
+            values = held.get(key, [])  # empty for a result saved before this metric existed
+            row[label] = mean(values)
             if row["vs"]:
-                row[f"Δ {label}"] = paired_bootstrap(held[key], ref["held_out"]["per_sequence"][key])
+                ref_values = ref["held_out"]["per_sequence"].get(key, [])
+                row[f"Δ {label}"] = paired_bootstrap(values if ref_values else [], ref_values if values else [])
         rows.append(row)
         table[name] = row
-    refs = {rule: {label: mean(base["held_out"]["per_sequence"][key.replace("scorer", rule)]) for key, label in cols}
-            for rule in ("newest", "oldest", "random", "oracle")}
+    refs = {rule: {label: mean(base["held_out"]["per_sequence"].get(key.replace("scorer", rule), [math.nan]))
+                   for key, label in cols} for rule in ("newest", "oldest", "random", "oracle")}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": f"{platform.node()} ({os.cpu_count()} cores, CPU)", "torch": torch.__version__,
@@ -347,6 +351,10 @@ def report(args) -> None:
     out.with_suffix(".md").write_text(render(payload, cols))
     plot(payload, out.with_suffix(".png"))
     print(out.with_suffix(".md").read_text())
+
+
+def DELTA_COLS(cols):  # noqa: N802 - the columns the paired table shows
+    return [c for c in cols if c[1] in ("BA k32", "AUC k32", "agree k32", "w-agree k32", "overlap k32", "mass k32")]
 
 
 def render(payload: dict, cols) -> str:
@@ -366,13 +374,13 @@ def render(payload: dict, cols) -> str:
     for rule, vals in payload["references"].items():
         lines.append(f"| *{rule}* | | | | " + " | ".join(f"{vals[label]:.3f}" for _, label in cols) + " |")
     lines += ["", "Paired differences vs each variant's reference:", "",
-              "| variant | vs | " + " | ".join(f"Δ {label}" for _, label in cols[:3] + cols[5:7]) + " |",
-              "|---|---|" + "---|" * 5]
+              "| variant | vs | " + " | ".join(f"Δ {label}" for _, label in DELTA_COLS(cols)) + " |",
+              "|---|---|" + "---|" * len(DELTA_COLS(cols))]
     for row in payload["rows"]:
         if not row["vs"]:
             continue
         lines.append(f"| {row['variant']} | {row['vs']} | " + " | ".join(format_interval(row[f"Δ {label}"])
-                                                       for _, label in cols[:3] + cols[5:7]) + " |")
+                                                                       for _, label in DELTA_COLS(cols)) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -89,7 +89,9 @@ def reference_priorities(teacher_priority: torch.Tensor, *, seed: int = 0) -> di
 def decision_metrics(priority: torch.Tensor, teacher_priority: torch.Tensor, budget: Budget,
                      decisions=None) -> dict[str, torch.Tensor]:
     """Per row ``[...]``: ``decisions`` (count), ``keep_rate`` (teacher's), ``agreement``, ``balanced_accuracy``,
-    ``auc``. Rows without a decision give NaN (``k = 0``, or no query with more than ``k`` eligible tokens)."""
+    ``auc``, and ``weighted_agreement``: agreement weighted by the teacher's margin ``|q[t_new] - q[t_bnd]|`` (its
+    priorities ``q``), so that near-ties, which cost little either way, count little. Rows without a decision give
+    NaN (``k = 0``, or no query with more than ``k`` eligible tokens)."""
     dec = decisions if decisions is not None else boundary_decisions(teacher_priority, budget)
     valid, keep = dec.valid, dec.keep
     keeps = student_keeps(priority, dec)
@@ -99,7 +101,10 @@ def decision_metrics(priority: torch.Tensor, teacher_priority: torch.Tensor, bud
     kept_right = (keeps & keep).sum(-1).double()
     evicted_right = (~keeps & ~keep & valid).sum(-1).double()
     margins = torch.where(valid, boundary_margins(priority.double(), dec), 0.0)
+    weight = torch.where(valid, boundary_margins(teacher_priority.double(), dec).abs(), 0.0)
+    agree = (keeps == keep) & valid
     return {"decisions": count,
+            "weighted_agreement": torch.where(agree, weight, 0.0).sum(-1) / weight.sum(-1),
             "keep_rate": positives / count,
             "agreement": (kept_right + evicted_right) / count,
             "balanced_accuracy": (kept_right / positives + evicted_right / negatives) / 2,

@@ -23,7 +23,8 @@ def ref_decisions(student, teacher, budget):
         others = sorted(range(s, t_new), key=lambda t: (teacher[t], t), reverse=True)
         t_bnd = others[k - 1]
         keep = (teacher[t_new], t_new) > (teacher[t_bnd], t_bnd)
-        out.append((keep, student[t_new] >= student[t_bnd], student[t_new] - student[t_bnd]))
+        out.append((keep, student[t_new] >= student[t_bnd], student[t_new] - student[t_bnd],
+                    abs(teacher[t_new] - teacher[t_bnd])))
     return out
 
 
@@ -93,7 +94,9 @@ def test_decision_metrics_match_brute_force(size, budget, ties):
         nan = math.nan
         expected = {"decisions": n, "keep_rate": pos / n if n else nan, "agreement": (tp + tn) / n if n else nan,
                     "balanced_accuracy": (tp / pos + tn / neg) / 2 if pos and neg else nan,
-                    "auc": ref_auc([t[2] for t in terms], [t[0] for t in terms])}
+                    "auc": ref_auc([t[2] for t in terms], [t[0] for t in terms]),
+                    "weighted_agreement": (sum(t[3] for t in terms if t[0] == t[1]) / sum(t[3] for t in terms)
+                                           if sum(t[3] for t in terms) > 0 else nan)}
         for key, value in expected.items():
             assert close(got[key][idx].item(), value), (key, idx, got[key][idx].item(), value)
 
@@ -158,7 +161,7 @@ def test_reference_rules_and_oracle():
             assert torch.allclose(dec[rule]["balanced_accuracy"], torch.tensor(0.5, dtype=torch.float64))
         # the margin of a position rule is the boundary token's age gap: informative, and mirrored between the two
         assert torch.allclose(dec["newest"]["auc"], 1 - dec["oldest"]["auc"])
-        for metric in ("agreement", "balanced_accuracy", "auc"):
+        for metric in ("agreement", "balanced_accuracy", "auc", "weighted_agreement"):
             assert (dec["oracle"][metric] == 1).all()
             assert torch.equal(dec["scorer"][metric], dec["newest"][metric])
         kept = per_budget["kept"]
