@@ -29,7 +29,7 @@ for part in $parts; do
     # dense at batch 1: eager DynamicCache and a graphed StaticCache step (fewer steps: eager dense is ~80 ms/token)
     decode_dense) python benchmarks/decode.py --isolate --policies dense --batches 1 --steps 100 \
                   --out "$out/decode_h200_run3_dense.json" ;;
-    # issue 12: scorer-only learning curves, online targets (no precompute), one run evaluated at 0.5M..16M tokens,
+    # issue 12: scorer-only learning curves, online targets (no precompute), one run evaluated at 0.25M..16M tokens,
     # S = 4096, held-out diagnostics + KL vs streaming/oracle at CR 87.5 / 93.75 %; stops training at the time budget
     learning_curves) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
                   ${CURVES_ARGS:-} ;;

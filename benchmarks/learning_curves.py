@@ -57,8 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--eval-crs", type=float, nargs="+", default=[0.875, 0.9375])
     p.add_argument("--eval-topks", type=int, nargs="*", default=[], help="evaluation budgets as long-range sizes "
                    "(instead of --eval-crs)")
-    p.add_argument("--checkpoints", type=float, nargs="+", default=[0.5e6, 1e6, 2e6, 4e6, 8e6, 16e6],
-                   help="training-token counts at which the held-out set is evaluated (the last ends training)")
+    p.add_argument("--checkpoints", type=float, nargs="+", default=[0.25e6, 0.5e6, 1e6, 2e6, 4e6, 8e6, 16e6],
+                   help="training-token counts at which the held-out set is evaluated (the last ends training); from "
+                   "0.25M, a run the time guard stops after 8M still spans 32x")
     p.add_argument("--scorer", default="mlstm")
     p.add_argument("--scorer-options", default="{}", help="JSON: fields of the scorer's config")
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
