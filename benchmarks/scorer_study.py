@@ -57,6 +57,9 @@ VARIANTS = {  # each changes one thing against its reference ("vs"; the mLSTM ba
     "data16": {"train": 16},
     "data256": {"train": 256},
     "data256-steps1200": {"train": 256, "steps": 1200},
+    "data256-steps1200+multik+pairs4": {"train": 256, "steps": 1200,
+                                        "loss": {"topks": [8, 16, 64, 128], "random_pairs": 4},
+                                        "vs": "data256-steps1200"},
     "steps100": {"steps": 100},
     # input features
     "norms": {"options": {"features": "kv_norms"}},
