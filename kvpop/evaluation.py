@@ -1,0 +1,388 @@
+"""Running a retrofitted model under each eviction policy, for evaluation (METHOD §5, §6). Torch + transformers only.
+
+A :class:`Setting` is one policy at one budget (dense: no budget). How it runs is decided by the policy's own
+``dynamic`` flag (:data:`kvpop.POLICIES`), never by its name:
+
+* **static** policies (streaming, random, oracle, kvpop): teacher forcing is one masked forward
+  (``model(ids, use_cache=False)``), which the fixed cache reproduces exactly (METHOD §5);
+* **dynamic** policies (TOVA, H2O) re-score the cache from the attention they observe, so they run only through the
+  fixed cache: on CUDA the first ``prefill`` columns in one call, then one decoding step captured once and replayed
+  as a CUDA graph per column (:class:`kvpop.decode.GraphedDecoder`); elsewhere one call whose attention layers step
+  token by token inside (``teacher_forced_logits(prefill=S)``: the MLPs stay batched);
+* **dense** is the model's dense mode, or a separate ``reference`` model (the teacher of a distilled student).
+
+The **oracle** ranks tokens by the dense teacher's future-attention targets (METHOD §2) of the very tokens it is
+run on (:func:`teacher_targets`). In free generation no targets exist for tokens not generated yet: it gets those
+of the prompt alone (a target table padded with ``-inf``, so generated tokens rank lowest).
+
+Batches of unequal prompts are **left-padded**: the fixed cache takes left padding in the first chunk, and positions
+count real tokens only (``cumsum(mask) - 1``, as ``generate`` does), so a padded row gives the same logits as the
+row alone. Greedy generation runs a fixed number of steps (the graph has static shapes) and cuts each row after its
+first EOS.
+
+Item-level results, the per-item values evaluation bootstraps:
+
+* :func:`teacher_forced_items`: per (setting, held-out sequence), :func:`kvpop.metrics.per_sequence` against the
+  dense reference over positions ``>= B`` (before them every policy still sees the whole prefix);
+* :func:`generation_items`: per (setting, prompt), the greedy continuation, the tokens until its first divergence
+  from dense's, and — with a continuation to teacher-force (dense's own, or a gold answer) — KL(dense ‖ policy) and
+  top-1 agreement on it, plus any ``score`` of the policy's logits on ``prompt + continuation``.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from kvpop.budget import Budget
+from kvpop.cache import CACHE_KWARG, KVpopCache
+from kvpop.decode import GraphedDecoder, teacher_forced_logits
+from kvpop.metrics import first_divergence, per_sequence
+from kvpop.policies import POLICIES, build_policy
+from kvpop.retrofit import oracle_priorities, runtime_of, set_policy
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One policy at one requested budget (its total names the row; streaming turns it all into window)."""
+
+    policy: str
+    budget: Budget | None = None
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; known: {sorted(POLICIES)}")
+        if (self.policy == "dense") != (self.budget is None):
+            raise ValueError(f"{self.policy}: {'dense takes no budget' if self.budget else 'needs a budget'}")
+
+    @property
+    def dynamic(self) -> bool:
+        return POLICIES[self.policy].dynamic
+
+    @property
+    def total(self) -> int | None:
+        return None if self.budget is None else self.budget.total
+
+    @property
+    def effective(self) -> Budget | None:
+        """The budget the policy actually runs with (streaming: ``Budget(sink, window + topk, 0)``)."""
+        return None if self.budget is None else build_policy(self.policy, self.budget).budget
+
+    @property
+    def key(self) -> str:
+        return "dense" if self.budget is None else f"{self.policy}.B{self.budget.total}"
+
+
+def settings(policies: Sequence[str], budgets: Sequence[Budget]) -> list[Setting]:
+    """Dense once (if listed), then every other policy at every budget, budgets in the given order."""
+    out = [Setting("dense")] if "dense" in policies else []
+    return out + [Setting(p, b) for b in budgets for p in policies if p != "dense"]
+
+
+@contextlib.contextmanager
+def applied(model, setting: Setting) -> Iterator[None]:
+    """``model`` runs ``setting`` inside the block; its policy is restored afterwards. A model that is not
+    retrofitted (a plain reference teacher) can only run dense."""
+    runtime = getattr(model, "kvpop_runtime", None)
+    if runtime is None:
+        if setting.policy != "dense":
+            raise ValueError(f"{setting.key} needs a retrofitted model (kvpop.retrofit or kvpop.load_retrofitted)")
+        yield
+        return
+    previous = runtime.policy
+    set_policy(model, setting.policy, setting.budget)
+    try:
+        yield
+    finally:
+        runtime.policy = previous
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+# ----------------------------------------------------------------------------------------------- padding
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device=None):
+    """``(ids [B, W], mask [B, W], positions [B, W])``: rows right-aligned; positions count real tokens from 0
+    (padding gets 0: it is never attended to)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if len(row):
+            ids[i, width - len(row):] = torch.as_tensor(list(row), dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.to(device), mask.to(device), positions.to(device)
+
+
+def oracle_table(per_row: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    """Per-row targets ``[layers, Hkv, n_i]`` → one table ``[layers, B, Hkv, width]``, indexed by each row's real
+    token positions, ``-inf`` where a row has no target (tokens not seen by the teacher rank lowest)."""
+    first = per_row[0]
+    table = torch.full((first.shape[0], len(per_row), first.shape[1], width), float("-inf"), device=first.device)
+    for i, targets in enumerate(per_row):
+        n = min(width, targets.shape[-1])
+        table[:, i, :, :n] = targets[..., :n]
+    return table
+
+
+# ----------------------------------------------------------------------------------------------- logits
+@torch.no_grad()
+def dense_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[B, S, V]`` of the dense model (a retrofitted model in its dense mode, or a plain one)."""
+    with applied(model, Setting("dense")):
+        return model(input_ids=ids, attention_mask=mask, position_ids=_positions(ids, mask), use_cache=False).logits
+
+
+def _positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+@torch.no_grad()
+def teacher_targets(model, ids: torch.Tensor, windows: Sequence[int]) -> dict[int, torch.Tensor]:
+    """Oracle priorities ``{window: [layers, B, Hkv, S]}``: the dense teacher's future-attention targets of
+    ``ids`` (unpadded rows), one pass for all windows. Works on a plain and on a retrofitted model."""
+    from kvpop.targets import teacher_pass
+
+    return teacher_pass(model, ids, windows=sorted(set(windows)), top_k=1)["targets"]
+
+
+@torch.no_grad()
+def forced_logits(model, setting: Setting, ids: torch.Tensor, *, mask: torch.Tensor | None = None,
+                  targets: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
+    """Teacher-forced logits ``[B, S - start, V]`` of ``ids`` (left padding in ``mask``) under ``setting``.
+
+    ``targets`` ``[layers, B, Hkv, S]`` (indexed by real token positions) are the oracle's priorities.
+    """
+    if setting.policy == "oracle" and targets is None:
+        raise ValueError("the oracle needs the teacher's targets of these tokens (teacher_targets)")
+    context = oracle_priorities(model, targets) if setting.policy == "oracle" else contextlib.nullcontext()
+    with applied(model, setting), context:
+        if setting.policy == "dense" or not setting.dynamic:
+            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(ids, mask), use_cache=False)
+            return out.logits[:, start:]
+        if ids.is_cuda:
+            return _graphed_forced(model, ids, mask, start)
+        return teacher_forced_logits(model, ids, prefill=ids.shape[1], attention_mask=mask)[:, start:]
+
+
+def sequence_logits(model, setting: Setting, ids: Sequence[int] | torch.Tensor, *,
+                    targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[S, V]`` of one unpadded token sequence under ``setting`` (the oracle computes its own targets
+    from ``model`` when none are given)."""
+    ids = torch.as_tensor(ids, dtype=torch.long, device=_device(model)).reshape(1, -1)
+    if setting.policy == "oracle" and targets is None:
+        targets = teacher_targets(model, ids, [setting.budget.window])[setting.budget.window]
+    return forced_logits(model, setting, ids, targets=targets)[0]
+
+
+def _graphed_forced(model, ids, mask, start):
+    """Dynamic teacher forcing on CUDA: the padded head in one call, then one graphed decoding step per column;
+    only the logits from ``start`` on are kept (a ``[B, S - start, V]`` buffer)."""
+    size = ids.shape[1]
+    lead = 0 if mask is None else int((mask == 0).sum(-1).max())
+    prefill = min(size, max(start, lead + 1, 1))
+    positions = _positions(ids, mask)
+    cache = KVpopCache(model)
+    head = model(input_ids=ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill],
+                 position_ids=positions[:, :prefill], use_cache=True, **{CACHE_KWARG: cache}).logits
+    out = head.new_empty(ids.shape[0], size - start, head.shape[-1])
+    out[:, :prefill - start] = head[:, start:]
+    if prefill < size:
+        decoder = GraphedDecoder(model, cache)
+        for column in range(prefill, size):
+            out[:, column - start] = decoder(ids[:, column:column + 1], positions[:, column:column + 1])[:, 0]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- generation
+@torch.no_grad()
+def greedy(model, setting: Setting, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_id: int = 0,
+           targets: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (one left-padded batch), ``max_new_tokens`` tokens each (cut at EOS by
+    the caller). ``targets``: the oracle's, one ``[layers, Hkv, n_i]`` per prompt."""
+    if setting.policy == "oracle" and targets is None:
+        raise ValueError("the oracle needs the teacher's targets of each prompt (teacher_targets)")
+    device = _device(model)
+    ids, mask, positions = left_pad(prompts, pad_id, device)
+    width = ids.shape[1]
+    table = oracle_table(targets, width + max_new_tokens).to(device) if setting.policy == "oracle" else None
+    context = oracle_priorities(model, table) if table is not None else contextlib.nullcontext()
+    fixed = setting.budget is not None
+    with applied(model, setting), context:
+        cache = KVpopCache(model) if fixed else None
+        kwargs = {CACHE_KWARG: cache} if fixed else {}
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+        cache = cache if fixed else getattr(out, CACHE_KWARG)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        generated = [token]
+        position = positions[:, -1:] + 1
+        decoder = GraphedDecoder(model, cache) if fixed and ids.is_cuda else None
+        for _ in range(max_new_tokens - 1):
+            if decoder is not None:
+                logits = decoder(token, position)
+            else:
+                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+                logits = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
+                               **{CACHE_KWARG: cache}).logits
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            generated.append(token)
+            position = position + 1
+    return torch.cat(generated, 1).tolist()
+
+
+def cut_at_eos(tokens: Sequence[int], eos_id: int | None) -> list[int]:
+    """The tokens up to and including the first EOS."""
+    tokens = list(tokens)
+    if eos_id is not None and eos_id in tokens:
+        return tokens[:tokens.index(eos_id) + 1]
+    return tokens
+
+
+# ----------------------------------------------------------------------------------------------- item loops
+def _batches(count: int, size: int) -> Iterator[range]:
+    for start in range(0, count, size):
+        yield range(start, min(count, start + size))
+
+
+@torch.no_grad()
+def teacher_forced_items(model, sequences: Sequence[torch.Tensor], runs: Sequence[Setting], *, reference=None,
+                         batch_size: int = 4, dynamic_limit: int = 0, metric_start: int | None = None,
+                         progress: Callable[[int], None] | None = None) -> list[dict]:
+    """One record per (setting, sequence) of equal-length held-out ``sequences``: ``{"policy", "B", "budget",
+    "item", top1_agreement, kl, token_acc, token_acc_dense, positions, labelled}`` over positions ``>= B``
+    (or ``metric_start``). Dense gets one record per budget (its own dense mode against ``reference``).
+    ``dynamic_limit`` > 0: dynamic policies on the first that many sequences only."""
+    reference = model if reference is None else reference
+    device = _device(model)
+    budgets = list(dict.fromkeys(s.budget for s in runs if s.budget is not None))
+    windows = sorted({b.window for b in budgets})
+    records = []
+    for rows in _batches(len(sequences), batch_size):
+        ids = torch.stack([torch.as_tensor(sequences[i], dtype=torch.long) for i in rows]).to(device)
+        dense = dense_logits(reference, ids)
+        targets = teacher_targets(reference, ids, windows) if any(s.policy == "oracle" for s in runs) else {}
+        for setting in runs:
+            if setting.policy == "dense":
+                own = dense if reference is model else dense_logits(model, ids)
+                for budget in budgets:
+                    start = budget.total if metric_start is None else metric_start
+                    records += _records(setting, budget.total, "full", rows, own, dense, ids, start)
+            else:
+                keep = len(rows) if not (setting.dynamic and dynamic_limit) else max(0, dynamic_limit - rows[0])
+                if keep:
+                    start = setting.total if metric_start is None else metric_start
+                    table = targets[setting.budget.window][:, :keep] if setting.policy == "oracle" else None
+                    logits = forced_logits(model, setting, ids[:keep], targets=table, start=start)
+                    records += _records(setting, setting.total, str(setting.effective), rows[:keep], logits,
+                                        dense[:keep, start:], ids[:keep, start:], 0)
+            if progress is not None:
+                progress(len(rows))
+    return records
+
+
+def _records(setting, total, budget, rows, logits, dense, ids, start) -> list[dict]:
+    if start:
+        logits, dense, ids = logits[:, start:], dense[:, start:], ids[:, start:]
+    return [{"policy": setting.policy, "B": total, "budget": budget, "item": i, **metrics}
+            for i, metrics in zip(rows, per_sequence(logits, dense, ids))]
+
+
+@torch.no_grad()
+def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Setting], *, max_new_tokens: int,
+                     eos_id: int | None, pad_id: int = 0, batch_size: int = 8, reference=None,
+                     forced: str | Sequence[Sequence[int]] | None = "dense",
+                     score: Callable[[torch.Tensor, int], dict] | None = None,
+                     progress: Callable[[int], None] | None = None) -> list[dict]:
+    """One record per (setting, prompt): ``{"policy", "B", "budget", "item", "tokens", "divergence"}`` — the
+    greedy continuation (cut after EOS) and the index of its first token that differs from dense's (its full length
+    if none does) — plus, when ``forced`` is ``"dense"`` (dense's own continuation) or one token list per prompt
+    (e.g. gold answers), ``kl`` and ``top1_agreement`` of the setting against dense teacher-forced on that
+    continuation, and ``score(logits [len(prompt) + len(continuation), V], prompt index)``'s entries.
+
+    Dense (from ``reference``, default the model's own dense mode) always runs, as the comparison; its record has
+    ``policy == "dense"`` and ``B = None``.
+    """
+    reference = model if reference is None else reference
+    runs = [s for s in runs if s.policy != "dense"]
+    windows = sorted({s.budget.window for s in runs if s.policy == "oracle"})
+    records = []
+    for rows in _batches(len(prompts), batch_size):
+        batch = [list(prompts[i]) for i in rows]
+        dense_tokens = [cut_at_eos(t, eos_id) for t in greedy(reference, Setting("dense"), batch,
+                                                                 max_new_tokens=max_new_tokens, pad_id=pad_id)]
+        given = None if forced is None else dense_tokens if forced == "dense" else [list(forced[i]) for i in rows]
+        teacher = _Forced(reference, batch, given, pad_id, windows, score is not None) if given is not None else None
+        records += _generation_records(Setting("dense"), rows, dense_tokens, dense_tokens, teacher,
+                                       teacher.dense if teacher else None, score)
+        prompt_targets = ({w: [t[:, 0] for t in per] for w, per in _row_targets(reference, batch, windows).items()}
+                          if windows else {})
+        for setting in runs:
+            targets = prompt_targets[setting.budget.window] if setting.policy == "oracle" else None
+            tokens = [cut_at_eos(t, eos_id) for t in greedy(model, setting, batch, max_new_tokens=max_new_tokens,
+                                                            pad_id=pad_id, targets=targets)]
+            logits = teacher.logits(model, setting) if teacher else None
+            records += _generation_records(setting, rows, tokens, dense_tokens, teacher, logits, score)
+            if progress is not None:
+                progress(len(rows))
+    return records
+
+
+def _row_targets(model, rows: Sequence[Sequence[int]], windows) -> dict[int, list[torch.Tensor]]:
+    """Teacher targets of each unpadded row: ``{window: [[layers, 1, Hkv, n_i]]}``."""
+    device = _device(model)
+    per_row = [teacher_targets(model, torch.tensor([list(r)], device=device), windows) for r in rows]
+    return {w: [t[w] for t in per_row] for w in windows}
+
+
+class _Forced:
+    """``prompt + continuation`` of one batch, left-padded (continuations right-filled with ``pad_id``, never
+    counted), with the dense reference's logits on it and the oracle's targets."""
+
+    def __init__(self, reference, prompts, continuations, pad_id, windows, full: bool):
+        longest = max(len(c) for c in continuations)
+        self.rows = [p + c + [pad_id] * (longest - len(c)) for p, c in zip(prompts, continuations)]
+        self.prompt_lengths = [len(p) for p in prompts]
+        self.lengths = [len(c) for c in continuations]
+        self.ids, self.mask, _ = left_pad(self.rows, pad_id, _device(reference))
+        width = self.ids.shape[1]
+        # logits at column j predict column j + 1: the continuation starts at width - longest
+        self.start = 0 if full else max(0, width - longest - 1)
+        self.first = width - longest - 1 - self.start  # the first continuation-predicting column kept
+        self.counted = torch.zeros(len(prompts), width - self.start, dtype=torch.bool, device=self.ids.device)
+        for i, n in enumerate(self.lengths):
+            self.counted[i, self.first:self.first + n] = True
+        # the teacher sees prompt + continuation only (the filler after it ranks lowest)
+        self.targets = ({w: oracle_table([t[:, 0] for t in per], width) for w, per in
+                         _row_targets(reference, [p + c for p, c in zip(prompts, continuations)], windows).items()}
+                        if windows else {})
+        self.dense = forced_logits(reference, Setting("dense"), self.ids, mask=self.mask, start=self.start)
+
+    def logits(self, model, setting: Setting) -> torch.Tensor:
+        targets = self.targets.get(setting.budget.window) if setting.policy == "oracle" else None
+        return forced_logits(model, setting, self.ids, mask=self.mask, targets=targets, start=self.start)
+
+    def row(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """Row ``i``'s logits on its own ``prompt + continuation`` (no padding), ``[n_i, V]`` (needs ``full``)."""
+        width = self.ids.shape[1]
+        lead = width - len(self.rows[i])
+        return logits[i, lead:lead + self.prompt_lengths[i] + self.lengths[i]]
+
+
+def _generation_records(setting, rows, tokens, dense_tokens, teacher, logits, score) -> list[dict]:
+    metrics = [{} for _ in rows]
+    if teacher is not None:
+        agreement = per_sequence(logits, teacher.dense, None, valid=teacher.counted)
+        for j, m in enumerate(agreement):
+            metrics[j] = {"kl": m["kl"], "top1_agreement": m["top1_agreement"]}
+            if score is not None:
+                metrics[j].update(score(teacher.row(logits, j), rows[j]))
+    return [{"policy": setting.policy, "B": setting.total,
+             "budget": "full" if setting.budget is None else str(setting.effective), "item": i, "tokens": t,
+             "divergence": first_divergence(t, d), **m}
+            for i, t, d, m in zip(rows, tokens, dense_tokens, metrics)]

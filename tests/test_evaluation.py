@@ -1,0 +1,173 @@
+"""kvpop.evaluation on tiny random Llamas: padding changes nothing, generation matches transformers' generate, and
+the item records hold what they claim (a budget that covers everything equals dense)."""
+import copy
+import math
+
+import pytest
+import torch
+
+import kvpop
+from kvpop import Budget
+from kvpop import evaluation as EV
+from tests.models import tiny_model
+
+BUDGET = Budget(2, 4, 6)
+ALL = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and 2 threads on a busy 2-core box run ~50x slower (spin-waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
+
+
+def setting(name, budget=BUDGET):
+    return EV.Setting(name) if name == "dense" else EV.Setting(name, budget)
+
+
+def prompts(lengths=(9, 14, 20), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def targets_of(model, rows, window=BUDGET.window):
+    return [EV.teacher_targets(model, torch.tensor([r]), [window])[window][:, 0] for r in rows]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_left_padded_forcing_equals_each_row_alone(model, name):
+    rows = prompts()
+    ids, mask, _ = EV.left_pad(rows, pad_id=0)
+    table = EV.oracle_table(targets_of(model, rows), ids.shape[1]) if name == "oracle" else None
+    batched = EV.forced_logits(model, setting(name), ids, mask=mask, targets=table)
+    for i, row in enumerate(rows):
+        alone = EV.sequence_logits(model, setting(name), row)  # the oracle computes its own targets
+        torch.testing.assert_close(batched[i, ids.shape[1] - len(row):], alone, atol=2e-5, rtol=1e-4)
+    start = ids.shape[1] - 5
+    tail = EV.forced_logits(model, setting(name), ids, mask=mask, targets=table, start=start)
+    torch.testing.assert_close(tail, batched[:, start:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_greedy_equals_transformers_generate_alone_and_batched(model, name):
+    rows = prompts()
+    targets = targets_of(model, rows) if name == "oracle" else None
+    batched = EV.greedy(model, setting(name), rows, max_new_tokens=7, targets=targets)
+    assert [len(t) for t in batched] == [7, 7, 7]
+    for i, row in enumerate(rows):
+        alone = EV.greedy(model, setting(name), [row], max_new_tokens=7, targets=None if targets is None
+                          else [targets[i]])
+        assert alone[0] == batched[i]
+        with EV.applied(model, setting(name)):
+            if name == "oracle":
+                with kvpop.oracle_priorities(model, EV.oracle_table([targets[i]], len(row) + 7)):
+                    ref = model.generate(torch.tensor([row]), max_new_tokens=7, do_sample=False, pad_token_id=0)
+            else:
+                ref = model.generate(torch.tensor([row]), max_new_tokens=7, do_sample=False, pad_token_id=0)
+        assert ref[0, len(row):].tolist() == batched[i], (name, i)
+    assert model.kvpop_runtime.policy.name == "kvpop"  # restored
+
+
+def test_teacher_forced_items():
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
+    seqs = [torch.randint(1, 97, (24,)) for _ in range(3)]
+    small, large = Budget(2, 4, 6), Budget(2, 4, 10)
+    runs = EV.settings(ALL, [large, small])
+    records = EV.teacher_forced_items(model, seqs, runs, batch_size=2, dynamic_limit=2)
+    keys = {(r["policy"], r["B"]) for r in records}
+    assert keys == {(p, b) for p in ALL for b in (16, 12)}
+    for r in records:
+        assert r["positions"] == 24 - r["B"] and r["labelled"] == 23 - r["B"]
+        expected = [0, 1] if r["policy"] in ("tova", "h2o") else [0, 1, 2]
+        assert r["item"] in expected
+        if r["policy"] == "dense":
+            assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-6 and r["budget"] == "full"
+        else:
+            assert r["kl"] > 0
+    assert sum(r["policy"] == "tova" for r in records) == 4  # two sequences at two budgets
+    streaming = next(r for r in records if r["policy"] == "streaming" and r["B"] == 12)
+    assert streaming["budget"] == "s2-w10-k0"
+    # a budget that covers the whole sequence is dense, for every policy
+    whole = EV.teacher_forced_items(model, seqs, EV.settings(ALL, [Budget(2, 4, 18)]), metric_start=0)
+    for r in whole:
+        assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-6, r["policy"]
+
+
+def test_generation_items_dense_continuation_and_gold_scoring():
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
+    rows = prompts((12, 17))
+    runs = EV.settings(ALL, [BUDGET])
+    records = EV.generation_items(model, rows, runs, max_new_tokens=8, eos_id=None, batch_size=2)
+    dense = {r["item"]: r for r in records if r["policy"] == "dense"}
+    assert set(dense) == {0, 1} and all(r["B"] is None and r["divergence"] == 8 for r in dense.values())
+    assert all(abs(r["kl"]) < 1e-6 and r["top1_agreement"] == 1.0 for r in dense.values())
+    for r in records:
+        assert 0 <= r["divergence"] <= len(r["tokens"]) == 8
+        assert r["divergence"] == next(i for i in range(9) if i == 8 or r["tokens"][i] != dense[r["item"]]["tokens"][i])
+    # KL on dense's continuation: the same as teacher-forcing prompt + continuation one row at a time
+    for r in records:
+        if r["policy"] == "dense":
+            continue
+        row = rows[r["item"]] + dense[r["item"]]["tokens"]
+        pol = EV.sequence_logits(model, setting(r["policy"]), row)
+        den = EV.sequence_logits(model, EV.Setting("dense"), row)
+        n = len(rows[r["item"]])
+        want = kvpop.metrics.per_sequence(pol[n - 1:-1], den[n - 1:-1])[0]
+        assert r["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-6), r["policy"]
+        assert r["top1_agreement"] == pytest.approx(want["top1_agreement"])
+    # gold continuations of unequal length, scored on the policy's logits of prompt + gold
+    gold = [[5, 6, 7], [8]]
+    seen = []
+
+    def score(logits, index):
+        seen.append((index, logits.shape[0]))
+        full = rows[index] + gold[index]
+        return {"gold_logprob": float(torch.log_softmax(logits.float(), -1)[
+            torch.arange(len(full) - 1), torch.tensor(full[1:])][len(rows[index]) - 1:].sum())}
+
+    scored = EV.generation_items(model, rows, EV.settings(["dense", "streaming"], [BUDGET]), max_new_tokens=3,
+                                 eos_id=None, forced=gold, score=score)
+    assert sorted(set(seen)) == [(0, 15), (1, 18)]
+    for r in scored:
+        full = rows[r["item"]] + gold[r["item"]]
+        logits = EV.sequence_logits(model, setting(r["policy"]), full)
+        want = torch.log_softmax(logits, -1)[torch.arange(len(full) - 1), torch.tensor(full[1:])]
+        assert r["gold_logprob"] == pytest.approx(float(want[len(rows[r["item"]]) - 1:].sum()), rel=1e-4)
+
+
+def test_settings_and_errors(model):
+    runs = EV.settings(["kvpop", "dense", "streaming"], [Budget(2, 4, 10), BUDGET])
+    assert [s.key for s in runs] == ["dense", "kvpop.B16", "streaming.B16", "kvpop.B12", "streaming.B12"]
+    assert runs[2].effective == Budget(2, 14, 0) and not runs[2].dynamic
+    assert EV.Setting("tova", BUDGET).dynamic and EV.Setting("h2o", BUDGET).dynamic
+    with pytest.raises(ValueError, match="unknown policy"):
+        EV.Setting("lru", BUDGET)
+    with pytest.raises(ValueError, match="needs a budget"):
+        EV.Setting("kvpop")
+    with pytest.raises(ValueError, match="oracle needs"):
+        EV.forced_logits(model, EV.Setting("oracle", BUDGET), torch.ones(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="retrofitted"):
+        with EV.applied(tiny_model("llama", "gqa"), EV.Setting("kvpop", BUDGET)):
+            pass
+    assert EV.cut_at_eos([4, 2, 9, 2], 2) == [4, 2] and EV.cut_at_eos([4, 5], 2) == [4, 5]
+    assert EV.cut_at_eos([4, 5], None) == [4, 5]
+
+
+def test_plain_reference_model_runs_dense():
+    base = tiny_model("llama", "gqa")
+    model = kvpop.retrofit(copy.deepcopy(base), BUDGET, scorer="mlp")
+    rows = prompts((10,))
+    assert EV.greedy(base, EV.Setting("dense"), rows, max_new_tokens=4) == \
+        EV.greedy(model, EV.Setting("dense"), rows, max_new_tokens=4)
+    records = EV.generation_items(model, rows, EV.settings(["dense", "kvpop"], [BUDGET]), max_new_tokens=4,
+                                  eos_id=None, reference=base)
+    assert {r["policy"] for r in records} == {"dense", "kvpop"}
+    assert not any(math.isnan(r["kl"]) for r in records)
