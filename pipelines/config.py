@@ -127,16 +127,24 @@ class SweepConfig:
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """pipelines/evaluate.py: every policy × budget on held-out text, recall tasks and long generation, with 95 %
+    bootstrap intervals over items and paired differences (pipelines/stats.py)."""
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
-    budgets: tuple[int, ...] = ()  # total budgets B; empty: the training budget only
-    compression_ratios: tuple[float, ...] = ()  # alternatively CR = 1 - B / seq_len
+    budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
+    compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
+    #                                     is below sink + window is reported as unreachable. Neither set: training B
     tasks: tuple[str, ...] = ("kv_retrieval", "variable_tracking", "arithmetic")
-    task_samples: int = 4  # per task
-    task_context: int = 384  # prompt length in tokens (the needle sits ~300 tokens back at 384)
-    max_new_tokens: int = 12  # greedy; the arithmetic answer " 4 + 9 = 13" takes 9 tokens
+    task_contexts: tuple[int, ...] = (384,)  # prompt lengths in tokens
+    task_depths: tuple[float, ...] = (0.1,)  # where the facts sit, as a fraction of the context
+    task_samples: int = 4  # per (task, context, depth) cell; 0 = no recall tasks
+    task_min_dense: float = 0.9  # headline recall metrics: only cells where dense exact match >= this
+    max_new_tokens: int = 12  # greedy tokens per recall answer
+    generation_prompts: int = 0  # held-out champ problems for long free generation; 0 = none
+    generation_tokens: int = 64  # greedy tokens per long generation
+    resamples: int = 4000  # bootstrap resamples (fixed seed); exact enumeration when fewer distinct ones exist
     checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
     batch_size: int = 4  # held-out sequences per teacher-forced forward
-    generation_batch_size: int = 12  # task prompts per generate() call (left-padded)
+    generation_batch_size: int = 12  # prompts per left-padded generation batch
     dynamic_sequences: int = 0  # TOVA/H2O teacher-forced on the first N held-out sequences only; 0 = all
 
 
@@ -280,7 +288,7 @@ SWEEP_OWNED = ("scorer", "lr", "steps", "targets", "run_name", "output_root", "f
 
 def _validate_eval(ev: "EvalConfig") -> None:
     from kvpop.policies import POLICIES
-    from pipelines.tasks import TASKS
+    from pipelines.tasks import TASKS  # the task registry imports nothing from the pipeline stages
 
     for name in ev.policies:
         if name not in POLICIES:
@@ -292,9 +300,17 @@ def _validate_eval(ev: "EvalConfig") -> None:
         (ev.batch_size >= 1 and ev.generation_batch_size >= 1, "eval.batch_size and eval.generation_batch_size "
                                                                "must be >= 1"),
         (ev.dynamic_sequences >= 0, "eval.dynamic_sequences must be >= 0 (0 = all held-out sequences)"),
-        (ev.task_samples >= 0, "eval.task_samples must be >= 0 (0 = no free-generation tasks)"),
-        (ev.task_context >= 64, "eval.task_context must be >= 64 tokens"),
-        (ev.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
+        (ev.task_samples >= 0, "eval.task_samples must be >= 0 (0 = no recall tasks)"),
+        (all(c >= 64 for c in ev.task_contexts), "eval.task_contexts must all be >= 64 tokens"),
+        (all(0 <= d <= 1 for d in ev.task_depths), "eval.task_depths must all be in [0, 1] (a fraction of the "
+                                                   "context)"),
+        (not ev.task_samples or (ev.tasks and ev.task_contexts and ev.task_depths),
+         "eval.task_samples > 0 needs eval.tasks, eval.task_contexts and eval.task_depths"),
+        (0 <= ev.task_min_dense <= 1, "eval.task_min_dense must be in [0, 1]"),
+        (ev.max_new_tokens >= 1 and ev.generation_tokens >= 1, "eval.max_new_tokens and eval.generation_tokens "
+                                                               "must be >= 1"),
+        (ev.generation_prompts >= 0, "eval.generation_prompts must be >= 0 (0 = no long generation)"),
+        (ev.resamples >= 100, "eval.resamples must be >= 100 (bootstrap resamples)"),
     ]
     for ok, message in checks:
         if not ok:

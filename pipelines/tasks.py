@@ -253,17 +253,18 @@ def needle_distance(sample: TaskSample, tokenizer, chat: bool = True, fact: str 
 def calibrate(model, tokenizer, *, samples: int = 24, contexts=(256, 384, 512), max_new_tokens: int = 12,
               batch_size: int = 12, seed: int = 0) -> dict[int, dict[str, float]]:
     """Dense exact-match accuracy per task and context length (the check that the tasks are solvable at all)."""
-    import kvpop
-    from pipelines.evaluate import evaluate_model
+    from kvpop.evaluation import Setting, greedy
 
-    if getattr(model, "kvpop_runtime", None) is None:
-        kvpop.retrofit(model, None, scorer=None, policy="dense")
     out = {}
     for context in contexts:
-        tasks = {name: generate_samples(name, samples, tokenizer, context=context, seed=seed) for name in TASKS}
-        row = evaluate_model(model, tokenizer, [], policies=["dense"], budgets=[kvpop.Budget(0, 1, 0)], tasks=tasks,
-                             max_new_tokens=max_new_tokens, generation_batch_size=batch_size, progress=False)[0]
-        out[context] = {name: row[name] for name in TASKS}
+        out[context] = {}
+        for name in TASKS:
+            items = generate_samples(name, samples, tokenizer, context=context, seed=seed)
+            prompts = [prompt_ids(s, tokenizer) for s in items]
+            texts = [tokenizer.decode(t, skip_special_tokens=True) for start in range(0, len(prompts), batch_size)
+                     for t in greedy(model, Setting("dense"), prompts[start:start + batch_size],
+                                     max_new_tokens=max_new_tokens, pad_id=tokenizer.pad_token_id or 0)]
+            out[context][name] = sum(is_correct(s, t) for s, t in zip(items, texts)) / len(items)
     return out
 
 
