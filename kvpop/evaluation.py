@@ -41,7 +41,7 @@ from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.decode import GraphedDecoder, teacher_forced_logits
 from kvpop.metrics import first_divergence, per_sequence
 from kvpop.policies import POLICIES, build_policy
-from kvpop.retrofit import oracle_priorities, runtime_of, set_policy
+from kvpop.retrofit import oracle_priorities, set_policy
 
 
 @dataclass(frozen=True)
@@ -354,9 +354,10 @@ class _Forced:
         # logits at column j predict column j + 1: the continuation starts at width - longest
         self.start = 0 if full else max(0, width - longest - 1)
         self.first = width - longest - 1 - self.start  # the first continuation-predicting column kept
-        self.counted = torch.zeros(len(prompts), width - self.start, dtype=torch.bool, device=self.ids.device)
+        self.span = slice(self.first, self.first + longest)  # the kept columns that predict continuation tokens
+        self.counted = torch.zeros(len(prompts), longest, dtype=torch.bool, device=self.ids.device)
         for i, n in enumerate(self.lengths):
-            self.counted[i, self.first:self.first + n] = True
+            self.counted[i, :n] = True
         # the teacher sees prompt + continuation only (the filler after it ranks lowest)
         self.targets = ({w: oracle_table([t[:, 0] for t in per], width) for w, per in
                          _row_targets(reference, [p + c for p, c in zip(prompts, continuations)], windows).items()}
@@ -377,7 +378,7 @@ class _Forced:
 def _generation_records(setting, rows, tokens, dense_tokens, teacher, logits, score) -> list[dict]:
     metrics = [{} for _ in rows]
     if teacher is not None:
-        agreement = per_sequence(logits, teacher.dense, None, valid=teacher.counted)
+        agreement = per_sequence(logits[:, teacher.span], teacher.dense[:, teacher.span], None, valid=teacher.counted)
         for j, m in enumerate(agreement):
             metrics[j] = {"kl": m["kl"], "top1_agreement": m["top1_agreement"]}
             if score is not None:
