@@ -164,8 +164,8 @@ def forced_logits(model, setting: Setting, ids: torch.Tensor, *, mask: torch.Ten
     context = oracle_priorities(model, targets) if setting.policy == "oracle" else contextlib.nullcontext()
     with applied(model, setting), context:
         if setting.policy == "dense" or not setting.dynamic:
-            out = model(input_ids=ids, attention_mask=mask, position_ids=_positions(ids, mask), use_cache=False)
-            return out.logits[:, start:]
+            return model(input_ids=ids, attention_mask=mask, position_ids=_positions(ids, mask), use_cache=False,
+                         logits_to_keep=ids.shape[1] - start).logits
         if ids.is_cuda:
             return _graphed_forced(model, ids, mask, start)
         return teacher_forced_logits(model, ids, prefill=ids.shape[1], attention_mask=mask)[:, start:]
@@ -181,22 +181,32 @@ def sequence_logits(model, setting: Setting, ids: Sequence[int] | torch.Tensor, 
     return forced_logits(model, setting, ids, targets=targets)[0]
 
 
-def _graphed_forced(model, ids, mask, start):
-    """Dynamic teacher forcing on CUDA: the padded head in one call, then one graphed decoding step per column;
-    only the logits from ``start`` on are kept (a ``[B, S - start, V]`` buffer)."""
-    size = ids.shape[1]
+def _first_columns(ids: torch.Tensor, mask: torch.Tensor | None, stepped: bool) -> int:
+    """Columns of the first cache call: all of them, or — when a CUDA graph steps through the rest — only the left
+    padding and the first real token (padding must sit in the first call; a longer call of a dynamic policy would
+    step token by token in Python, slower than the graph)."""
+    if not stepped:
+        return ids.shape[1]
     lead = 0 if mask is None else int((mask == 0).sum(-1).max())
-    prefill = min(size, max(start, lead + 1, 1))
+    return min(ids.shape[1], lead + 1)
+
+
+def _graphed_forced(model, ids, mask, start):
+    """Dynamic teacher forcing on CUDA: one graphed decoding step per column after the first call; only the
+    logits from ``start`` on are kept (a ``[B, S - start, V]`` buffer)."""
+    size, first = ids.shape[1], _first_columns(ids, mask, True)
     positions = _positions(ids, mask)
     cache = KVpopCache(model)
-    head = model(input_ids=ids[:, :prefill], attention_mask=None if mask is None else mask[:, :prefill],
-                 position_ids=positions[:, :prefill], use_cache=True, **{CACHE_KWARG: cache}).logits
+    head = model(input_ids=ids[:, :first], attention_mask=None if mask is None else mask[:, :first],
+                 position_ids=positions[:, :first], use_cache=True, **{CACHE_KWARG: cache}).logits
     out = head.new_empty(ids.shape[0], size - start, head.shape[-1])
-    out[:, :prefill - start] = head[:, start:]
-    if prefill < size:
-        decoder = GraphedDecoder(model, cache)
-        for column in range(prefill, size):
-            out[:, column - start] = decoder(ids[:, column:column + 1], positions[:, column:column + 1])[:, 0]
+    if first > start:
+        out[:, :first - start] = head[:, start:]
+    decoder = GraphedDecoder(model, cache)
+    for column in range(first, size):
+        logits = decoder(ids[:, column:column + 1], positions[:, column:column + 1])
+        if column >= start:
+            out[:, column - start] = logits[:, 0]
     return out
 
 
@@ -214,15 +224,21 @@ def greedy(model, setting: Setting, prompts: Sequence[Sequence[int]], *, max_new
     table = oracle_table(targets, width + max_new_tokens).to(device) if setting.policy == "oracle" else None
     context = oracle_priorities(model, table) if table is not None else contextlib.nullcontext()
     fixed = setting.budget is not None
+    graphed = fixed and ids.is_cuda
+    first = _first_columns(ids, mask, graphed and setting.dynamic)
     with applied(model, setting), context:
         cache = KVpopCache(model) if fixed else None
         kwargs = {CACHE_KWARG: cache} if fixed else {}
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **kwargs)
+        out = model(input_ids=ids[:, :first], attention_mask=mask[:, :first], position_ids=positions[:, :first],
+                    use_cache=True, **kwargs)
         cache = cache if fixed else getattr(out, CACHE_KWARG)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        logits = out.logits[:, -1:]
+        decoder = GraphedDecoder(model, cache) if graphed else None
+        for column in range(first, width):  # the rest of the prompt (a dynamic policy on CUDA)
+            logits = decoder(ids[:, column:column + 1], positions[:, column:column + 1])
+        token = logits[:, -1].argmax(-1, keepdim=True)
         generated = [token]
         position = positions[:, -1:] + 1
-        decoder = GraphedDecoder(model, cache) if fixed and ids.is_cuda else None
         for _ in range(max_new_tokens - 1):
             if decoder is not None:
                 logits = decoder(token, position)

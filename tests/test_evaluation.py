@@ -1,5 +1,6 @@
 """kvpop.evaluation on tiny random Llamas: padding changes nothing, generation matches transformers' generate, and
 the item records hold what they claim (a budget that covers everything equals dense)."""
+import contextlib
 import copy
 import math
 
@@ -171,3 +172,26 @@ def test_plain_reference_model_runs_dense():
                                   eos_id=None, reference=base)
     assert {r["policy"] for r in records} == {"dense", "kvpop"}
     assert not any(math.isnan(r["kl"]) for r in records)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ALL)
+def test_cuda_graphed_paths_equal_the_eager_ones(name):
+    """On CUDA, dynamic teacher forcing and every fixed-budget generation step through one captured graph: the
+    same logits (to float tolerance) and tokens as the eager cache path and transformers' generate."""
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp").cuda()
+    rows = prompts()
+    ids, mask, _ = EV.left_pad(rows, pad_id=0, device="cuda")
+    targets = [t.cuda() for t in targets_of(model, rows)] if name == "oracle" else None
+    table = EV.oracle_table(targets, ids.shape[1]) if name == "oracle" else None
+    got = EV.forced_logits(model, setting(name), ids, mask=mask, targets=table, start=3)
+    with EV.applied(model, setting(name)), (kvpop.oracle_priorities(model, table) if table is not None
+                                            else contextlib.nullcontext()):
+        eager = kvpop.teacher_forced_logits(model, ids, prefill=ids.shape[1], attention_mask=mask)[:, 3:]
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-3)
+    batched = EV.greedy(model, setting(name), rows, max_new_tokens=6, targets=targets)
+    for i, row in enumerate(rows):
+        with EV.applied(model, setting(name)), (kvpop.oracle_priorities(
+                model, EV.oracle_table([targets[i]], len(row) + 6)) if name == "oracle" else contextlib.nullcontext()):
+            ref = model.generate(torch.tensor([row], device="cuda"), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert ref[0, len(row):].tolist() == batched[i], (name, i)

@@ -163,9 +163,9 @@ def test_job_submit_to_a_local_head_and_mlflow_server_serves_the_eval_metrics(ti
         "precompute": {"windows": [8], "top_k": 8, "sequences_per_shard": 2, "num_cpus_per_actor": 1},
         "train": {"scorer": "mlp", "steps": 2, "batch_size": 2, "num_workers": 1, "cpus_per_worker": 1,
                   "checkpoint_every": 2},
-        "eval": {"budgets": [28, 20], "policies": ["dense", "streaming", "kvpop"], "tasks": ["kv_retrieval"],
-                 "task_samples": 1, "task_context": 64, "max_new_tokens": 4, "batch_size": 2,
-                 "generation_batch_size": 2},
+        "eval": {"budgets": [28, 20], "compression_ratios": [], "policies": ["dense", "streaming", "kvpop"],
+                 "tasks": ["kv_retrieval"], "task_samples": 1, "task_contexts": [64], "task_min_dense": 0.0,
+                 "max_new_tokens": 4, "batch_size": 2, "generation_batch_size": 2},
         "tracking": {"uri": tracking, "experiment": "jobs"}}))
     local = [str(REPO_ROOT / "infra" / "local.sh")]
     try:
@@ -189,7 +189,7 @@ def test_job_submit_to_a_local_head_and_mlflow_server_serves_the_eval_metrics(ti
         assert len(runs) == 1 and runs[0]["info"]["status"] == "FINISHED"
         metrics = {m["key"]: m["value"] for m in runs[0]["data"]["metrics"]}
         assert metrics["dense.B28.top1_agreement"] == 1.0
-        for key in ("kvpop.B28.kl", "kvpop.B20.top1_agreement", "streaming.B20.token_acc", "kvpop.B20.kv_retrieval"):
+        for key in ("kvpop.B28.kl", "kvpop.B20.top1_agreement", "streaming.B20.token_acc", "kvpop.B20.recall_exact"):
             assert key in metrics, sorted(metrics)
         query = urllib.parse.urlencode({"run_id": runs[0]["info"]["run_id"], "metric_key": "kvpop.B20.kl"})
         history = _get(f"{api}/metrics/get-history?{query}")["metrics"]
