@@ -26,7 +26,7 @@ Item-level results, the per-item values evaluation bootstraps:
   dense reference over positions ``>= B`` (before them every policy still sees the whole prefix);
 * :func:`generation_items`: per (setting, prompt), the greedy continuation, the tokens until its first divergence
   from dense's, and — with a continuation to teacher-force (dense's own, or a gold answer) — KL(dense ‖ policy) and
-  top-1 agreement on it, plus any ``score`` of the policy's logits on ``prompt + continuation``.
+  top-1 agreement on it, plus any ``score`` of the policy's logits that predict the continuation's tokens.
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def greedy(model, setting: Setting, prompts: Sequence[Sequence[int]], *, max_new
         cache = KVpopCache(model) if fixed else None
         kwargs = {CACHE_KWARG: cache} if fixed else {}
         out = model(input_ids=ids[:, :first], attention_mask=mask[:, :first], position_ids=positions[:, :first],
-                    use_cache=True, **kwargs)
+                    use_cache=True, logits_to_keep=1, **kwargs)
         cache = cache if fixed else getattr(out, CACHE_KWARG)
         logits = out.logits[:, -1:]
         decoder = GraphedDecoder(model, cache) if graphed else None
@@ -319,7 +319,8 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
     greedy continuation (cut after EOS) and the index of its first token that differs from dense's (its full length
     if none does) — plus, when ``forced`` is ``"dense"`` (dense's own continuation) or one token list per prompt
     (e.g. gold answers), ``kl`` and ``top1_agreement`` of the setting against dense teacher-forced on that
-    continuation, and ``score(logits [len(prompt) + len(continuation), V], prompt index)``'s entries.
+    continuation, and ``score(logits [len(continuation), V], prompt index)``'s entries — row ``j`` of those logits
+    predicts continuation token ``j``.
 
     Dense (from ``reference``, default the model's own dense mode) always runs, as the comparison; its record has
     ``policy == "dense"`` and ``B = None``.
@@ -333,7 +334,7 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
         dense_tokens = [cut_at_eos(t, eos_id) for t in greedy(reference, Setting("dense"), batch,
                                                                  max_new_tokens=max_new_tokens, pad_id=pad_id)]
         given = None if forced is None else dense_tokens if forced == "dense" else [list(forced[i]) for i in rows]
-        teacher = _Forced(reference, batch, given, pad_id, windows, score is not None) if given is not None else None
+        teacher = _Forced(reference, batch, given, pad_id, windows) if given is not None else None
         records += _generation_records(Setting("dense"), rows, dense_tokens, dense_tokens, teacher,
                                        teacher.dense if teacher else None, score)
         prompt_targets = ({w: [t[:, 0] for t in per] for w, per in _row_targets(reference, batch, windows).items()}
@@ -358,19 +359,16 @@ def _row_targets(model, rows: Sequence[Sequence[int]], windows) -> dict[int, lis
 
 class _Forced:
     """``prompt + continuation`` of one batch, left-padded (continuations right-filled with ``pad_id``, never
-    counted), with the dense reference's logits on it and the oracle's targets."""
+    counted), with the dense reference's logits on the columns that predict the continuation, and the oracle's
+    targets."""
 
-    def __init__(self, reference, prompts, continuations, pad_id, windows, full: bool):
+    def __init__(self, reference, prompts, continuations, pad_id, windows):
         longest = max(len(c) for c in continuations)
-        self.rows = [p + c + [pad_id] * (longest - len(c)) for p, c in zip(prompts, continuations)]
-        self.prompt_lengths = [len(p) for p in prompts]
+        rows = [p + c + [pad_id] * (longest - len(c)) for p, c in zip(prompts, continuations)]
         self.lengths = [len(c) for c in continuations]
-        self.ids, self.mask, _ = left_pad(self.rows, pad_id, _device(reference))
+        self.ids, self.mask, _ = left_pad(rows, pad_id, _device(reference))
         width = self.ids.shape[1]
-        # logits at column j predict column j + 1: the continuation starts at width - longest
-        self.start = 0 if full else max(0, width - longest - 1)
-        self.first = width - longest - 1 - self.start  # the first continuation-predicting column kept
-        self.span = slice(self.first, self.first + longest)  # the kept columns that predict continuation tokens
+        self.start = width - longest - 1  # logits at column j predict column j + 1: the continuations start here
         self.counted = torch.zeros(len(prompts), longest, dtype=torch.bool, device=self.ids.device)
         for i, n in enumerate(self.lengths):
             self.counted[i, :n] = True
@@ -378,27 +376,21 @@ class _Forced:
         self.targets = ({w: oracle_table([t[:, 0] for t in per], width) for w, per in
                          _row_targets(reference, [p + c for p, c in zip(prompts, continuations)], windows).items()}
                         if windows else {})
-        self.dense = forced_logits(reference, Setting("dense"), self.ids, mask=self.mask, start=self.start)
+        self.dense = self.logits(reference, Setting("dense"))
 
     def logits(self, model, setting: Setting) -> torch.Tensor:
+        """``[B, longest, V]``: column ``j`` predicts continuation token ``j``."""
         targets = self.targets.get(setting.budget.window) if setting.policy == "oracle" else None
-        return forced_logits(model, setting, self.ids, mask=self.mask, targets=targets, start=self.start)
-
-    def row(self, logits: torch.Tensor, i: int) -> torch.Tensor:
-        """Row ``i``'s logits on its own ``prompt + continuation`` (no padding), ``[n_i, V]`` (needs ``full``)."""
-        width = self.ids.shape[1]
-        lead = width - len(self.rows[i])
-        return logits[i, lead:lead + self.prompt_lengths[i] + self.lengths[i]]
+        return forced_logits(model, setting, self.ids, mask=self.mask, targets=targets, start=self.start)[:, :-1]
 
 
 def _generation_records(setting, rows, tokens, dense_tokens, teacher, logits, score) -> list[dict]:
     metrics = [{} for _ in rows]
     if teacher is not None:
-        agreement = per_sequence(logits[:, teacher.span], teacher.dense[:, teacher.span], None, valid=teacher.counted)
-        for j, m in enumerate(agreement):
+        for j, m in enumerate(per_sequence(logits, teacher.dense, None, valid=teacher.counted)):
             metrics[j] = {"kl": m["kl"], "top1_agreement": m["top1_agreement"]}
             if score is not None:
-                metrics[j].update(score(teacher.row(logits, j), rows[j]))
+                metrics[j].update(score(logits[j, :teacher.lengths[j]], rows[j]))
     return [{"policy": setting.policy, "B": setting.total,
              "budget": "full" if setting.budget is None else str(setting.effective), "item": i, "tokens": t,
              "divergence": first_divergence(t, d), **m}

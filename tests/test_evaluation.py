@@ -124,19 +124,18 @@ def test_generation_items_dense_continuation_and_gold_scoring():
         want = kvpop.metrics.per_sequence(pol[n - 1:-1], den[n - 1:-1])[0]
         assert r["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-6), r["policy"]
         assert r["top1_agreement"] == pytest.approx(want["top1_agreement"])
-    # gold continuations of unequal length, scored on the policy's logits of prompt + gold
+    # gold continuations of unequal length, scored on the policy's logits that predict them
     gold = [[5, 6, 7], [8]]
     seen = []
 
     def score(logits, index):
         seen.append((index, logits.shape[0]))
-        full = rows[index] + gold[index]
-        return {"gold_logprob": float(torch.log_softmax(logits.float(), -1)[
-            torch.arange(len(full) - 1), torch.tensor(full[1:])][len(rows[index]) - 1:].sum())}
+        return {"gold_logprob": float(torch.log_softmax(logits.float(), -1)[torch.arange(len(gold[index])),
+                                                                            torch.tensor(gold[index])].sum())}
 
-    scored = EV.generation_items(model, rows, EV.settings(["dense", "streaming"], [BUDGET]), max_new_tokens=3,
-                                 eos_id=None, forced=gold, score=score)
-    assert sorted(set(seen)) == [(0, 15), (1, 18)]
+    scored = EV.generation_items(model, rows, EV.settings(["dense", "streaming", "tova"], [BUDGET]),
+                                 max_new_tokens=3, eos_id=None, forced=gold, score=score)
+    assert sorted(set(seen)) == [(0, 3), (1, 1)]
     for r in scored:
         full = rows[r["item"]] + gold[r["item"]]
         logits = EV.sequence_logits(model, setting(r["policy"]), full)
