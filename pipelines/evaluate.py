@@ -184,8 +184,9 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.json", json.dumps({**p["identity"], "config": cfg.to_dict()}, indent=1))
     atomic_write_text(out / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-    atomic_write_text(out / "metrics.json", json.dumps({"budgets": budgets, "unreachable": p["identity"]["unreachable"],
-                                                        "summary": summary}, indent=1))
+    atomic_write_text(out / "metrics.json", json.dumps({
+        "budgets": budgets, "unreachable": p["identity"]["unreachable"], "summary": summary,
+        "labels": [{"policy": k[0], "B": k[1], "budget": v} for k, v in labels.items()]}, indent=1))
     atomic_write_text(out / "report.txt", text + "\n")
     report.save_figures(summary, budgets, out)
     seconds["total"] = time.perf_counter() - t0

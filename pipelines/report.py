@@ -193,16 +193,23 @@ def _grid(headers: list[str], rows: list[list[str]]) -> list[str]:
     return [line(headers), "  ".join("-" * w for w in widths), *map(line, rows)]
 
 
+def _pipes(headers: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers),
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
 def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None = None,
-                  unreachable: Sequence[dict] = ()) -> str:
-    """The printed report: per part a table per budget (mean [95 % interval] per metric), the paired differences,
-    the recall cells, and closing sentences on which differences are resolved. ``labels``: ``{(policy, B): budget
-    string}`` for the budget column."""
+                  unreachable: Sequence[dict] = (), markdown: bool = False) -> str:
+    """The report: per part a table per budget (mean [95 % interval] per metric), the paired differences, the KL gap
+    closed, the recall cells, and closing sentences on which differences are resolved. ``labels``: ``{(policy, B):
+    budget string}`` for the budget column. ``markdown``: pipe tables and ``###`` headings instead of plain text."""
+    table = _pipes if markdown else _grid
+    heading = (lambda text: ["", f"### {text}", ""]) if markdown else (lambda text: ["", f"== {text}"])
     labels = labels or {}
     lines = []
     if unreachable:
-        lines.append("not reachable with sink and window fixed (B < sink + window): " + ", ".join(
-            f"CR {percent(u['CR'])} (B = {u['B']})" for u in unreachable))
+        lines.append("Not reachable with sink and window fixed (B < sink + window): " + ", ".join(
+            f"CR {percent(u['CR'])} (B = {u['B']})" for u in unreachable) + ".")
     by_key = {(m["metric"], m["policy"], m["B"]): m for m in summary["metrics"]}
     for part in PART_TITLES:
         metrics = [m for m in METRICS if any(e["metric"] == m.name for e in summary["metrics"])
@@ -210,32 +217,37 @@ def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None
         if not metrics:
             continue
         n_items = max(e["n"] for e in summary["metrics"] if e["part"] == part)
-        lines += ["", f"== {PART_TITLES[part]}: mean [95% bootstrap interval over up to {n_items} "
-                      f"{ITEM_NAMES[part]}]"]
+        lines += heading(f"{PART_TITLES[part]}: mean [95% bootstrap interval over up to {n_items} "
+                         f"{ITEM_NAMES[part]}]")
         for budget in budgets:
             policies = sorted({e["policy"] for e in summary["metrics"] if e["part"] == part and e["B"] == budget["B"]},
                               key=_order)
             rows = [[p, labels.get((p, budget["B"]), ""), *(_cell(by_key.get((m.name, p, budget["B"])), m.digits)
                                                            for m in metrics)] for p in policies]
-            lines += ["", f"B = {budget['B']} (CR {percent(budget['CR'])})"]
-            lines += _grid(["policy", "budget", *(m.label for m in metrics)], rows)
-    lines += _differences_table(summary["differences"])
+            lines += ["", f"B = {budget['B']} (CR {percent(budget['CR'])})", *([""] if markdown else [])]
+            lines += table(["policy", "budget", *(m.label for m in metrics)], rows)
+    headers, rows = _differences_rows(summary["differences"])
+    if rows:
+        lines += heading("paired differences, policy - baseline: mean [95% interval], * = resolved (the interval "
+                         "excludes 0); every metric in metrics.json")
+        lines += table(headers, rows)
     gaps = [g for g in summary["gap_closed"] if g["metric"] in ("kl", "gen_kl")]
     if gaps:
-        lines += ["", "== fraction of the streaming -> oracle KL gap closed [95% interval] (1 = the oracle's KL)"]
-        lines += _grid(["policy", "B", "metric", "gap closed"], [
+        lines += heading("fraction of the streaming -> oracle KL gap closed [95% interval] (1 = the oracle's KL)")
+        lines += table(["policy", "B", "metric", "gap closed"], [
             [g["policy"], str(g["B"]), _metric(g["metric"]).label, _cell(g, 2)] for g in gaps])
-    lines += _cells_table(summary["cells"], budgets)
-    lines += ["", *sentences(summary, budgets)]
+    headers, rows = _cells_rows(summary["cells"], budgets)
+    if rows:
+        lines += heading("recall exact match per cell (task, context tokens, depth)")
+        lines += table(headers, rows)
+    lines += ["", *(f"- {line}" if markdown else line for line in sentences(summary, budgets))]
     return "\n".join(lines)
 
 
-def _differences_table(differences: list[dict]) -> list[str]:
+def _differences_rows(differences: list[dict]) -> tuple[list[str], list[list[str]]]:
     """One row per (budget, policy, baseline kind), one column per headline metric; ``*`` = resolved. Against the
     best heuristic, the cell names which one it was (it is chosen per metric)."""
     names = [n for n in HEADLINE if any(d["metric"] == n for d in differences)]
-    if not names:
-        return []
     at = {(d["B"], d["policy"], d["vs"], d["metric"]): d for d in differences}
     rows = []
     for total, policy, vs in sorted({(d["B"], d["policy"], d["vs"]) for d in differences},
@@ -249,22 +261,17 @@ def _differences_table(differences: list[dict]) -> list[str]:
             cell = _cell(d, _metric(name).digits + 1, True) + ("*" if d["resolved"] else "")
             cells.append(cell + (f" {d['baseline']}" if vs == "best_heuristic" else ""))
         rows.append([policy, "streaming" if vs == "streaming" else "best heuristic", str(total), *cells])
-    return ["", "== paired differences, policy - baseline: mean [95% interval], * = resolved (the interval excludes"
-                " 0); every metric in metrics.json",
-            *_grid(["policy", "vs", "B", *(_metric(n).label for n in names)], rows)]
+    return ["policy", "vs", "B", *(_metric(n).label for n in names)], rows
 
 
-def _cells_table(cells: list[dict], budgets) -> list[str]:
-    if not cells:
-        return []
+def _cells_rows(cells: list[dict], budgets) -> tuple[list[str], list[list[str]]]:
     keys = sorted({(c["task"], c["context"], c["depth"]) for c in cells})
     columns = [("dense", None)] + [(p, b["B"]) for b in budgets for p in sorted(
         {c["policy"] for c in cells if c["B"] == b["B"]}, key=_order)]
     at = {(c["policy"], c["B"], c["task"], c["context"], c["depth"]): c for c in cells}
     rows = [[f"{t} c{c} d{d:g}", *(_fmt(at[(p, b, t, c, d)]["exact"], 2) if (p, b, t, c, d) in at else "-"
                                    for p, b in columns)] for t, c, d in keys]
-    return ["", "== recall exact match per cell (task, context tokens, depth)",
-            *_grid(["cell", *(p if b is None else f"{p}@{b}" for p, b in columns)], rows)]
+    return ["cell", *(p if b is None else f"{p}@{b}" for p, b in columns)], rows
 
 
 def sentences(summary: dict, budgets: Sequence[dict]) -> list[str]:

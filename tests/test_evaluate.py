@@ -76,7 +76,7 @@ def test_run_writes_a_complete_directory_logs_it_once_and_reuses_it(setup, monke
     # CR 0.75 -> B = 12, CR 0.875 -> B = 6 < sink + window = 10: unreachable, and said so
     config = json.loads((out / "config.json").read_text())
     assert config["budgets"] == ["s2-w8-k14", "s2-w8-k2"] and config["unreachable"][0]["B"] == 6
-    assert "not reachable" in result.text and "CR 87.5% (B = 6)" in result.text
+    assert "Not reachable" in result.text and "CR 87.5% (B = 6)" in result.text
     records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     by_part = {part: [r for r in records if r["part"] == part] for part in ("text", "recall", "generation")}
     assert len(by_part["text"]) == 5 * 5 * 2  # sequences × policies × budgets (dense once per budget)

@@ -97,7 +97,7 @@ def test_report_wording_follows_the_intervals():
     records = text_records()
     summary = R.summarize(records, BUDGETS, resamples=500)
     text = R.format_report(summary, BUDGETS, unreachable=[{"CR": 0.96875, "B": 16}])
-    assert "not reachable" in text and "CR 96.88% (B = 16)" in text
+    assert "Not reachable" in text and "CR 96.88% (B = 16)" in text
     lines = [line for line in text.splitlines() if line.startswith("At B = 100 (CR 80%), kvpop vs streaming")]
     assert len(lines) == 1 and "top1 above (+0.0" in lines[0] and "better" in lines[0]
     assert "kl below (-0.0" in lines[0]
@@ -138,3 +138,6 @@ def test_mlflow_names_and_figures():
     plt.close(fig)
     assert R.plot_recall_maps(summary, 100) is None  # no recall part
     assert R.percent(0.9375) == "93.75%" and R.percent(0.75) == "75%"
+    md = R.format_report(summary, BUDGETS, markdown=True)
+    assert "### held-out text" in md and "| policy | budget | top1 | kl | acc |" in md
+    assert "\n- At B = 100 (CR 80%), kvpop vs streaming: top1 above" in md
