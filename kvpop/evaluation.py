@@ -211,45 +211,90 @@ def _graphed_forced(model, ids, mask, start):
 
 
 # ----------------------------------------------------------------------------------------------- generation
+@dataclass
+class Continuation:
+    """What :func:`continue_prompts` returns for one batch: ``tokens`` (greedy, ``max_new_tokens`` per row),
+    ``logits`` ``[B, max_new_tokens, V]`` that produced them (only when asked), ``forced`` ``[B, longest, V]``: column
+    ``j`` predicts forced token ``j`` (only with a forced continuation)."""
+
+    tokens: list[list[int]]
+    logits: torch.Tensor | None = None
+    forced: torch.Tensor | None = None
+
+
 @torch.no_grad()
-def greedy(model, setting: Setting, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_id: int = 0,
-           targets: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
-    """Greedy continuations of ``prompts`` (one left-padded batch), ``max_new_tokens`` tokens each (cut at EOS by
-    the caller). ``targets``: the oracle's, one ``[layers, Hkv, n_i]`` per prompt."""
+def continue_prompts(model, setting: Setting, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                     pad_id: int = 0, targets: Sequence[torch.Tensor] | None = None,
+                     forced: Sequence[Sequence[int]] | None = None, keep_logits: bool = False) -> Continuation:
+    """One left-padded batch of ``prompts`` through the cache once, then greedy decoding — and, with ``forced`` (one
+    token list per prompt), those tokens teacher-forced after the same prompt, in the same steps: after the prompt
+    the cache is repeated row by row (``batch_repeat_interleave``), even rows decode greedily, odd rows are fed the
+    forced tokens (right-filled with ``pad_id`` past a row's end: they come after every counted column).
+
+    ``targets``: the oracle's, one ``[layers, Hkv, n_i]`` per prompt; forced and generated tokens have none.
+    """
     if setting.policy == "oracle" and targets is None:
         raise ValueError("the oracle needs the teacher's targets of each prompt (teacher_targets)")
     device = _device(model)
     ids, mask, positions = left_pad(prompts, pad_id, device)
-    width = ids.shape[1]
-    table = oracle_table(targets, width + max_new_tokens).to(device) if setting.policy == "oracle" else None
-    context = oracle_priorities(model, table) if table is not None else contextlib.nullcontext()
+    width, rows = ids.shape[1], len(prompts)
+    longest = max((len(f) for f in forced), default=0) if forced is not None else 0
+    steps = max(max_new_tokens, longest)
+    table = oracle_table(targets, width + steps).to(device) if setting.policy == "oracle" else None
     fixed = setting.budget is not None
     graphed = fixed and ids.is_cuda
     first = _first_columns(ids, mask, graphed and setting.dynamic)
-    with applied(model, setting), context:
+    with applied(model, setting), (oracle_priorities(model, table) if table is not None else contextlib.nullcontext()):
         cache = KVpopCache(model) if fixed else None
-        kwargs = {CACHE_KWARG: cache} if fixed else {}
         out = model(input_ids=ids[:, :first], attention_mask=mask[:, :first], position_ids=positions[:, :first],
-                    use_cache=True, logits_to_keep=1, **kwargs)
+                    use_cache=True, logits_to_keep=1, **({CACHE_KWARG: cache} if fixed else {}))
         cache = cache if fixed else getattr(out, CACHE_KWARG)
-        logits = out.logits[:, -1:]
+        last = out.logits[:, -1]
+        if first < width:  # the rest of the prompt, one graphed step per column (a dynamic policy on CUDA)
+            decoder = GraphedDecoder(model, cache)
+            for column in range(first, width):
+                last = decoder(ids[:, column:column + 1], positions[:, column:column + 1])[:, 0]
+        branches = 2 if forced is not None else 1
+        if branches == 2:  # even rows: greedy; odd rows: the forced tokens
+            cache.batch_repeat_interleave(2)
+            mask = mask.repeat_interleave(2, 0)
+            if table is not None:
+                table = table.repeat_interleave(2, 1)
+            last = last.repeat_interleave(2, 0)
+            fed = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
+            for i, tokens in enumerate(forced):
+                fed[i, :len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long)
+        context = oracle_priorities(model, table) if table is not None else contextlib.nullcontext()
         decoder = GraphedDecoder(model, cache) if graphed else None
-        for column in range(first, width):  # the rest of the prompt (a dynamic policy on CUDA)
-            logits = decoder(ids[:, column:column + 1], positions[:, column:column + 1])
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        generated = [token]
-        position = positions[:, -1:] + 1
-        for _ in range(max_new_tokens - 1):
-            if decoder is not None:
-                logits = decoder(token, position)
-            else:
-                mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
-                logits = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
-                               **{CACHE_KWARG: cache}).logits
-            token = logits[:, -1].argmax(-1, keepdim=True)
-            generated.append(token)
-            position = position + 1
-    return torch.cat(generated, 1).tolist()
+        position = positions[:, -1:].repeat_interleave(branches, 0) + 1
+        collected = []
+        with context:
+            for step in range(steps):
+                collected.append(last)
+                token = last.argmax(-1, keepdim=True)
+                if branches == 2:
+                    token[1::2, 0] = fed[:, step]
+                if step == steps - 1:
+                    break
+                if decoder is not None:
+                    last = decoder(token, position)[:, 0]
+                else:
+                    mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], 1)
+                    last = model(input_ids=token, attention_mask=mask, position_ids=position, use_cache=True,
+                                 **{CACHE_KWARG: cache}).logits[:, 0]
+                position = position + 1
+    logits = torch.stack(collected, 1)  # [rows * branches, steps, V]: column j predicts token j
+    greedy_logits = logits[::branches, :max_new_tokens]
+    return Continuation(greedy_logits.argmax(-1).tolist(), greedy_logits if keep_logits else None,
+                        logits[1::2, :longest] if forced is not None else None)
+
+
+def greedy(model, setting: Setting, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, pad_id: int = 0,
+           targets: Sequence[torch.Tensor] | None = None) -> list[list[int]]:
+    """Greedy continuations of ``prompts`` (one left-padded batch), ``max_new_tokens`` tokens each (cut at EOS by
+    the caller). ``targets``: the oracle's, one ``[layers, Hkv, n_i]`` per prompt."""
+    return continue_prompts(model, setting, prompts, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                            targets=targets).tokens
 
 
 def cut_at_eos(tokens: Sequence[int], eos_id: int | None) -> list[int]:
@@ -318,12 +363,12 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
     """One record per (setting, prompt): ``{"policy", "B", "budget", "item", "tokens", "divergence"}`` — the
     greedy continuation (cut after EOS) and the index of its first token that differs from dense's (its full length
     if none does) — plus, when ``forced`` is ``"dense"`` (dense's own continuation) or one token list per prompt
-    (e.g. gold answers), ``kl`` and ``top1_agreement`` of the setting against dense teacher-forced on that
-    continuation, and ``score(logits [len(continuation), V], prompt index)``'s entries — row ``j`` of those logits
-    predicts continuation token ``j``.
+    (e.g. gold answers), ``kl`` and ``top1_agreement`` of the setting against dense on that continuation
+    teacher-forced after the prompt, and ``score(logits [len(continuation), V], prompt index)``'s entries — row
+    ``j`` of those logits predicts continuation token ``j``.
 
     Dense (from ``reference``, default the model's own dense mode) always runs, as the comparison; its record has
-    ``policy == "dense"`` and ``B = None``.
+    ``policy == "dense"`` and ``B = None``. The oracle has the prompt's targets only (:func:`continue_prompts`).
     """
     reference = model if reference is None else reference
     runs = [s for s in runs if s.policy != "dense"]
@@ -331,20 +376,23 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
     records = []
     for rows in _batches(len(prompts), batch_size):
         batch = [list(prompts[i]) for i in rows]
-        dense_tokens = [cut_at_eos(t, eos_id) for t in greedy(reference, Setting("dense"), batch,
-                                                                 max_new_tokens=max_new_tokens, pad_id=pad_id)]
-        given = None if forced is None else dense_tokens if forced == "dense" else [list(forced[i]) for i in rows]
-        teacher = _Forced(reference, batch, given, pad_id, windows) if given is not None else None
-        records += _generation_records(Setting("dense"), rows, dense_tokens, dense_tokens, teacher,
-                                       teacher.dense if teacher else None, score)
-        prompt_targets = ({w: [t[:, 0] for t in per] for w, per in _row_targets(reference, batch, windows).items()}
-                          if windows else {})
+        given = None if forced is None or forced == "dense" else [list(forced[i]) for i in rows]
+        dense = continue_prompts(reference, Setting("dense"), batch, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                                 forced=given, keep_logits=forced == "dense")
+        dense_tokens = [cut_at_eos(t, eos_id) for t in dense.tokens]
+        if forced == "dense":  # dense teacher-forced on its own continuation: the logits it generated it with
+            given = dense_tokens
+            dense.forced = dense.logits[:, :max(len(t) for t in given)]
+        records += _generation_records(Setting("dense"), rows, dense_tokens, dense_tokens, dense.forced, dense.forced,
+                                       given, score)
+        targets = ({w: [t[:, 0] for t in per] for w, per in _row_targets(reference, batch, windows).items()}
+                   if windows else {})
         for setting in runs:
-            targets = prompt_targets[setting.budget.window] if setting.policy == "oracle" else None
-            tokens = [cut_at_eos(t, eos_id) for t in greedy(model, setting, batch, max_new_tokens=max_new_tokens,
-                                                            pad_id=pad_id, targets=targets)]
-            logits = teacher.logits(model, setting) if teacher else None
-            records += _generation_records(setting, rows, tokens, dense_tokens, teacher, logits, score)
+            out = continue_prompts(model, setting, batch, max_new_tokens=max_new_tokens, pad_id=pad_id,
+                                   targets=targets.get(setting.budget.window) if setting.policy == "oracle" else None,
+                                   forced=given)
+            tokens = [cut_at_eos(t, eos_id) for t in out.tokens]
+            records += _generation_records(setting, rows, tokens, dense_tokens, out.forced, dense.forced, given, score)
             if progress is not None:
                 progress(len(rows))
     return records
@@ -357,40 +405,16 @@ def _row_targets(model, rows: Sequence[Sequence[int]], windows) -> dict[int, lis
     return {w: [t[w] for t in per_row] for w in windows}
 
 
-class _Forced:
-    """``prompt + continuation`` of one batch, left-padded (continuations right-filled with ``pad_id``, never
-    counted), with the dense reference's logits on the columns that predict the continuation, and the oracle's
-    targets."""
-
-    def __init__(self, reference, prompts, continuations, pad_id, windows):
-        longest = max(len(c) for c in continuations)
-        rows = [p + c + [pad_id] * (longest - len(c)) for p, c in zip(prompts, continuations)]
-        self.lengths = [len(c) for c in continuations]
-        self.ids, self.mask, _ = left_pad(rows, pad_id, _device(reference))
-        width = self.ids.shape[1]
-        self.start = width - longest - 1  # logits at column j predict column j + 1: the continuations start here
-        self.counted = torch.zeros(len(prompts), longest, dtype=torch.bool, device=self.ids.device)
-        for i, n in enumerate(self.lengths):
-            self.counted[i, :n] = True
-        # the teacher sees prompt + continuation only (the filler after it ranks lowest)
-        self.targets = ({w: oracle_table([t[:, 0] for t in per], width) for w, per in
-                         _row_targets(reference, [p + c for p, c in zip(prompts, continuations)], windows).items()}
-                        if windows else {})
-        self.dense = self.logits(reference, Setting("dense"))
-
-    def logits(self, model, setting: Setting) -> torch.Tensor:
-        """``[B, longest, V]``: column ``j`` predicts continuation token ``j``."""
-        targets = self.targets.get(setting.budget.window) if setting.policy == "oracle" else None
-        return forced_logits(model, setting, self.ids, mask=self.mask, targets=targets, start=self.start)[:, :-1]
-
-
-def _generation_records(setting, rows, tokens, dense_tokens, teacher, logits, score) -> list[dict]:
+def _generation_records(setting, rows, tokens, dense_tokens, logits, dense, given, score) -> list[dict]:
     metrics = [{} for _ in rows]
-    if teacher is not None:
-        for j, m in enumerate(per_sequence(logits, teacher.dense, None, valid=teacher.counted)):
+    if given is not None:
+        counted = torch.zeros(logits.shape[:2], dtype=torch.bool, device=logits.device)
+        for j, continuation in enumerate(given):
+            counted[j, :len(continuation)] = True
+        for j, m in enumerate(per_sequence(logits, dense, None, valid=counted)):
             metrics[j] = {"kl": m["kl"], "top1_agreement": m["top1_agreement"]}
             if score is not None:
-                metrics[j].update(score(logits[j, :teacher.lengths[j]], rows[j]))
+                metrics[j].update(score(logits[j, :len(given[j])], rows[j]))
     return [{"policy": setting.policy, "B": setting.total,
              "budget": "full" if setting.budget is None else str(setting.effective), "item": i, "tokens": t,
              "divergence": first_divergence(t, d), **m}

@@ -113,12 +113,14 @@ def test_generation_items_dense_continuation_and_gold_scoring():
     for r in records:
         assert 0 <= r["divergence"] <= len(r["tokens"]) == 8
         assert r["divergence"] == next(i for i in range(9) if i == 8 or r["tokens"][i] != dense[r["item"]]["tokens"][i])
-    # KL on dense's continuation: the same as teacher-forcing prompt + continuation one row at a time
+    # KL on dense's continuation: the same as teacher-forcing prompt + continuation one row at a time (the oracle
+    # with the prompt's targets only, as in generation)
     for r in records:
         if r["policy"] == "dense":
             continue
         row = rows[r["item"]] + dense[r["item"]]["tokens"]
-        pol = EV.sequence_logits(model, setting(r["policy"]), row)
+        table = EV.oracle_table(targets_of(model, [rows[r["item"]]]), len(row)) if r["policy"] == "oracle" else None
+        pol = EV.sequence_logits(model, setting(r["policy"]), row, targets=table)
         den = EV.sequence_logits(model, EV.Setting("dense"), row)
         n = len(rows[r["item"]])
         want = kvpop.metrics.per_sequence(pol[n - 1:-1], den[n - 1:-1])[0]
@@ -133,12 +135,13 @@ def test_generation_items_dense_continuation_and_gold_scoring():
         return {"gold_logprob": float(torch.log_softmax(logits.float(), -1)[torch.arange(len(gold[index])),
                                                                             torch.tensor(gold[index])].sum())}
 
-    scored = EV.generation_items(model, rows, EV.settings(["dense", "streaming", "tova"], [BUDGET]),
+    scored = EV.generation_items(model, rows, EV.settings(["dense", "streaming", "tova", "oracle"], [BUDGET]),
                                  max_new_tokens=3, eos_id=None, forced=gold, score=score)
     assert sorted(set(seen)) == [(0, 3), (1, 1)]
     for r in scored:
         full = rows[r["item"]] + gold[r["item"]]
-        logits = EV.sequence_logits(model, setting(r["policy"]), full)
+        table = EV.oracle_table(targets_of(model, [rows[r["item"]]]), len(full)) if r["policy"] == "oracle" else None
+        logits = EV.sequence_logits(model, setting(r["policy"]), full, targets=table)
         want = torch.log_softmax(logits, -1)[torch.arange(len(full) - 1), torch.tensor(full[1:])]
         assert r["gold_logprob"] == pytest.approx(float(want[len(rows[r["item"]]) - 1:].sum()), rel=1e-4)
 
