@@ -239,6 +239,8 @@ def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None
     headers, rows = _cells_rows(summary["cells"], budgets)
     if rows:
         lines += heading("recall exact match per cell (task, context tokens, depth)")
+        if not any(e["part"] == "recall" for e in summary["metrics"]):
+            lines += ["No cell reaches the calibration threshold for dense: no headline recall numbers.", ""]
         lines += table(headers, rows)
     lines += ["", *(f"- {line}" if markdown else line for line in sentences(summary, budgets))]
     return "\n".join(lines)

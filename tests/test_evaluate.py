@@ -10,17 +10,9 @@ from kvpop import Budget
 from pipelines import evaluate as E
 from pipelines.config import ConfigError, config_from_dict
 from tests.models import tiny_model
+from tests.test_evaluation import one_thread  # noqa: F401  (autouse: one torch thread here too)
 
 SEQ = 48
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from threads, and 2 threads on a busy 2-core box run ~50x slower (spin-waits)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_resolve_budgets():
