@@ -369,12 +369,15 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
 
     Dense (from ``reference``, default the model's own dense mode) always runs, as the comparison; its record has
     ``policy == "dense"`` and ``B = None``. The oracle has the prompt's targets only (:func:`continue_prompts`).
+    Prompts are batched in order of length (less padding); records are in that order too.
     """
     reference = model if reference is None else reference
     runs = [s for s in runs if s.policy != "dense"]
     windows = sorted({s.budget.window for s in runs if s.policy == "oracle"})
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # batches of similar length: less padding
     records = []
-    for rows in _batches(len(prompts), batch_size):
+    for span in _batches(len(prompts), batch_size):
+        rows = [by_length[j] for j in span]
         batch = [list(prompts[i]) for i in rows]
         given = None if forced is None or forced == "dense" else [list(forced[i]) for i in rows]
         dense = continue_prompts(reference, Setting("dense"), batch, max_new_tokens=max_new_tokens, pad_id=pad_id,
