@@ -88,8 +88,8 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
         found = timed("recall", len(samples) * others, lambda tick: runner.generation_items(
             model, [s.prompt_ids for s in samples], runs, max_new_tokens=ev.max_new_tokens,
             forced=[s.answer_ids for s in samples], progress=tick, **generation,
-            score=lambda logits, i: recall_tasks.gold_logprob_and_rank(prompt_plus_answer(logits, samples[i]),
-                                                                        samples[i])))
+            score=lambda logits, i: recall_tasks.gold_logprob_and_rank(  # the rows that predict the answer
+                logits, samples[i], start=len(samples[i].prompt_ids) - 1)))
         records += recall_records(found, samples, tok, ev.task_min_dense)
     if inputs["problems"]:
         found = timed("generation", len(inputs["prompts"]) * others, lambda tick: runner.generation_items(
@@ -97,16 +97,6 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
             **generation))
         records += generation_records(found, inputs["problems"], tok)
     return records, seconds
-
-
-def prompt_plus_answer(answer_logits: torch.Tensor, sample) -> torch.Tensor:
-    """The recall interface scores "the logits of prompt + answer"; the runner keeps only the rows that predict the
-    answer (``[len(answer), V]``: at 4k-token prompts the rest would be gigabytes). Rows ``len(prompt) - 1 …`` hold
-    them; the others are zeros and must not be read."""
-    start = len(sample.prompt_ids) - 1
-    full = answer_logits.new_zeros(start + len(sample.answer_ids) + 1, answer_logits.shape[-1])
-    full[start:start + answer_logits.shape[0]] = answer_logits
-    return full
 
 
 def recall_records(found: list[dict], samples: list, tokenizer, min_dense: float) -> list[dict]:

@@ -4,7 +4,8 @@ The interface (the RULER-style generators implement the same): a :class:`TaskSpe
 length in tokens, needle depth in [0, 1], samples, seed); :func:`generate_samples` turns it into
 :class:`RecallSample` s with ``prompt_ids`` and the gold continuation ``answer_ids``; :func:`score_text` is exact
 match of a greedy continuation; :func:`gold_logprob_and_rank` scores the gold continuation teacher-forced, from the
-logits of ``prompt + answer`` — robust for a small model that rambles after a right answer.
+logits of ``prompt + answer`` (or only their last rows, from position ``start``) — robust for a small model that
+rambles after a right answer.
 
 Here a cell's depth is where the facts sit in the filler (``needle_depth = (depth, depth)`` of
 :func:`pipelines.tasks.generate_samples`); the gold continuation is the answer as the prompt's reply prefix expects
@@ -78,16 +79,18 @@ def score_text(sample: RecallSample, text: str) -> bool:
     return generated.extract_answer(text) == sample.answer
 
 
-def gold_logprob_and_rank(logits: torch.Tensor, sample: RecallSample) -> dict:
-    """From the logits ``[len(prompt) + len(answer), V]`` of ``prompt + answer``: the gold continuation's summed
-    log-probability, the rank of its first token (1 = the greedy choice), and whether every gold token is the
-    greedy choice (teacher-forced exact match)."""
-    start, n = len(sample.prompt_ids), len(sample.answer_ids)
-    if logits.shape[0] != start + n:
-        raise ValueError(f"expected the logits of prompt + answer ({start + n} positions), got {logits.shape[0]}")
-    rows = logits[start - 1:start + n - 1].float()
-    gold = torch.tensor(sample.answer_ids, device=rows.device)
-    logp = torch.log_softmax(rows, -1)
-    picked = logp.gather(-1, gold[:, None])[:, 0]
-    ranks = (rows > rows.gather(-1, gold[:, None])).sum(-1) + 1
-    return {"gold_logprob": float(picked.sum()), "gold_rank": int(ranks[0]), "gold_top1": float(bool((ranks == 1).all()))}
+def gold_logprob_and_rank(logits: torch.Tensor, sample: RecallSample, *, start: int = 0) -> dict:
+    """From the logits ``[S, V]`` of ``prompt + answer`` whose first row is position ``start`` (position
+    ``len(prompt) - 1 + i`` predicts answer token ``i``): ``logprob`` (summed over the gold tokens),
+    ``mean_logprob``, ``ranks`` (1 + the vocabulary entries with a strictly larger logit), ``first_rank``,
+    ``first_token_hit`` (the first gold token is the greedy choice) and ``all_top1`` (every gold token is)."""
+    first, count = len(sample.prompt_ids) - 1 - start, len(sample.answer_ids)
+    if logits.dim() != 2 or first < 0 or logits.shape[0] < first + count:
+        raise ValueError(f"sample {sample.id}: need the logits of positions {start + max(first, 0)} to "
+                         f"{start + first + count - 1} of prompt + answer, got {tuple(logits.shape)} from {start}")
+    rows = logits[first:first + count].float()
+    gold = torch.tensor(sample.answer_ids, device=rows.device)[:, None]
+    logprob = float(rows.log_softmax(-1).gather(-1, gold).sum())
+    ranks = (1 + (rows > rows.gather(-1, gold)).sum(-1)).tolist()
+    return {"logprob": logprob, "mean_logprob": logprob / count, "ranks": ranks, "first_rank": ranks[0],
+            "first_token_hit": ranks[0] == 1, "all_top1": all(r == 1 for r in ranks)}

@@ -42,10 +42,11 @@ def test_samples_gold_answers_and_scores(tokenizer):
     logits[n - 1, gold[0]] = 10.0  # the first gold token is the greedy choice
     got = L.gold_logprob_and_rank(logits, sample)
     logp = torch.log_softmax(logits, -1)
-    assert got["gold_logprob"] == pytest.approx(float(sum(logp[n - 1 + j, gold[j]] for j in range(a))), rel=1e-5)
-    assert got["gold_rank"] == 1
-    assert got["gold_top1"] == float(all(int(logits[n - 1 + j].argmax()) == int(gold[j]) for j in range(a)))
+    assert got["logprob"] == pytest.approx(float(sum(logp[n - 1 + j, gold[j]] for j in range(a))), rel=1e-5)
+    assert got["first_rank"] == 1 and got["first_token_hit"]
+    assert got["all_top1"] == all(int(logits[n - 1 + j].argmax()) == int(gold[j]) for j in range(a))
+    assert L.gold_logprob_and_rank(logits[n - 1:], sample, start=n - 1) == got  # only the rows that predict it
     logits[n - 1, gold[0]] = -10.0
-    assert L.gold_logprob_and_rank(logits, sample)["gold_rank"] == 50
+    assert L.gold_logprob_and_rank(logits, sample)["first_rank"] == 50
     with pytest.raises(ValueError, match="prompt \\+ answer"):
-        L.gold_logprob_and_rank(logits[:-1], sample)
+        L.gold_logprob_and_rank(logits[:-2], sample)
