@@ -130,3 +130,19 @@ def test_an_interrupted_result_resumes_its_run_and_other_inputs_get_another_dire
     assert other["key"] != again.output_dir.name
     (checkpoint / "kvpop_scorers.safetensors").write_bytes(b"changed")  # another trained model
     assert E.plan(cfg)["key"] != again.output_dir.name
+
+
+@pytest.mark.pretrained
+def test_bad_eval_inputs_are_clear_errors(setup):
+    cfg, checkpoint = setup
+    too_long = config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "task_contexts": [4096]}})
+    with pytest.raises(ConfigError, match="does not fit the model's context of 1024"):
+        E.plan(too_long)  # before any model is loaded or anything written
+    assert not (cfg.home_dir() / "eval").exists()
+    for key, value, message in (("task_depths", [1.5], "must all be in \\[0, 1\\]"),
+                                ("tasks", ["sorting"], "unknown task 'sorting'"),
+                                ("task_contexts", [10], ">= 64 tokens")):
+        with pytest.raises(ConfigError, match=message):
+            config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], key: value}})
+    with pytest.raises(ConfigError, match="no trained retrofitted model"):
+        E.plan(config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "checkpoint": str(checkpoint.parent)}}))
