@@ -6,9 +6,9 @@ A :class:`Setting` is one policy at one budget (dense: no budget). How it runs i
 * **static** policies (streaming, random, oracle, kvpop): teacher forcing is one masked forward
   (``model(ids, use_cache=False)``), which the fixed cache reproduces exactly (METHOD §5);
 * **dynamic** policies (TOVA, H2O) re-score the cache from the attention they observe, so they run only through the
-  fixed cache: on CUDA the first ``prefill`` columns in one call, then one decoding step captured once and replayed
-  as a CUDA graph per column (:class:`kvpop.decode.GraphedDecoder`); elsewhere one call whose attention layers step
-  token by token inside (``teacher_forced_logits(prefill=S)``: the MLPs stay batched);
+  fixed cache: on CUDA the left padding and the first real column in one call, then one decoding step captured once
+  and replayed as a CUDA graph per column (:class:`kvpop.decode.GraphedDecoder`); elsewhere one call whose attention
+  layers step token by token inside (``teacher_forced_logits(prefill=S)``: the MLPs stay batched);
 * **dense** is the model's dense mode, or a separate ``reference`` model (the teacher of a distilled student).
 
 The **oracle** ranks tokens by the dense teacher's future-attention targets (METHOD §2) of the very tokens it is
@@ -17,8 +17,10 @@ of the prompt alone (a target table padded with ``-inf``, so generated tokens ra
 
 Batches of unequal prompts are **left-padded**: the fixed cache takes left padding in the first chunk, and positions
 count real tokens only (``cumsum(mask) - 1``, as ``generate`` does), so a padded row gives the same logits as the
-row alone. Greedy generation runs a fixed number of steps (the graph has static shapes) and cuts each row after its
-first EOS.
+row alone. **Generation** (:func:`continue_prompts`) runs the prompt once; then the cache is repeated row by row
+(``batch_repeat_interleave``) so that the greedy continuation and a given continuation to teacher-force (dense's
+own, a gold answer) advance in the same decoding steps. Greedy decoding runs a fixed number of steps (a graph has
+static shapes); the caller cuts each row after its first EOS.
 
 Item-level results, the per-item values evaluation bootstraps:
 
@@ -250,8 +252,8 @@ def continue_prompts(model, setting: Setting, prompts: Sequence[Sequence[int]], 
                     use_cache=True, logits_to_keep=1, **({CACHE_KWARG: cache} if fixed else {}))
         cache = cache if fixed else getattr(out, CACHE_KWARG)
         last = out.logits[:, -1]
+        decoder = GraphedDecoder(model, cache) if graphed else None
         if first < width:  # the rest of the prompt, one graphed step per column (a dynamic policy on CUDA)
-            decoder = GraphedDecoder(model, cache)
             for column in range(first, width):
                 last = decoder(ids[:, column:column + 1], positions[:, column:column + 1])[:, 0]
         branches = 2 if forced is not None else 1
@@ -264,8 +266,8 @@ def continue_prompts(model, setting: Setting, prompts: Sequence[Sequence[int]], 
             fed = torch.full((rows, steps), pad_id, dtype=torch.long, device=device)
             for i, tokens in enumerate(forced):
                 fed[i, :len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.long)
+            decoder = GraphedDecoder(model, cache) if graphed else None  # the repeated cache: a graph of its own
         context = oracle_priorities(model, table) if table is not None else contextlib.nullcontext()
-        decoder = GraphedDecoder(model, cache) if graphed else None
         position = positions[:, -1:].repeat_interleave(branches, 0) + 1
         collected = []
         with context:
