@@ -9,19 +9,55 @@
   (``answer_agrees``, where dense gave one) and the reference answer (``solved``, on the problems dense solves).
 
 Each record gets ``part``, the item's string id, and its generated text (decoded; the token ids are dropped). The
+inputs come from here too: the held-out sequences, the training documents, the checkpoint's model and tokenizer. The
 recall interface (``TaskSpec``, ``generate_samples``, ``score_text``, ``gold_logprob_and_rank``) is imported here
 and nowhere else in the stage.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
 
+import kvpop
 from kvpop import evaluation as runner
+from kvpop.pretrained import load_pretrained
 from pipelines import legacy_tasks as recall_tasks
 from pipelines import problems as long_prompts
 from pipelines.config import PipelineConfig
+from pipelines.data import load_sequences
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def heldout_sequences(cfg: PipelineConfig, tokenizer) -> list[dict]:
+    """The data stage's ``eval`` split: ``[{"id", "input_ids", "docs"}]``."""
+    return load_sequences(cfg, split="eval", tokenizer=tokenizer)
+
+
+def training_documents(cfg: PipelineConfig, tokenizer) -> list[str]:
+    """Ids of the documents the training split was cut from."""
+    return [doc for s in load_sequences(cfg, split="train", tokenizer=tokenizer) for doc in s["docs"]]
+
+
+def checkpoint_tokenizer(path: Path):
+    """The tokenizer saved with the checkpoint (``kvpop.save_retrofitted(..., tokenizer)``), if any."""
+    if not (path / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_models(cfg: PipelineConfig, path: Path, device):
+    """The retrofitted model, and the dense reference when the base model was fine-tuned (distill) else None."""
+    model, _ = kvpop.load_retrofitted(path, dtype=DTYPES[cfg.model.dtype])
+    reference = None
+    if cfg.train.mode == "distill":
+        reference, _ = load_pretrained(cfg.model.resolved_path(), dtype=DTYPES[cfg.model.dtype])
+        reference.to(device).eval()
+    return model.to(device).eval(), reference
 
 
 def recall_samples(cfg: PipelineConfig, tokenizer, max_context: int | None) -> list:
@@ -61,8 +97,6 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
                    progress: bool = True) -> tuple[list[dict], dict]:
     """All per-item records of the three parts and the seconds each part took. ``inputs``: ``tokenizer``,
     ``sequences``, ``budgets``, ``samples``, ``problems``, ``prompts`` (pipelines.evaluate.plan)."""
-    from tqdm.auto import tqdm
-
     tok, ev = inputs["tokenizer"], cfg.eval
     runs = runner.settings(ev.policies, inputs["budgets"])
     others = len([s for s in runs if s.policy != "dense"])

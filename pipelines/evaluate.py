@@ -26,15 +26,14 @@ from pathlib import Path
 
 import torch
 
-import kvpop
 from kvpop import Budget
 from pipelines import eval_parts, report
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
+from pipelines.data import load_tokenizer
 from pipelines.identity import atomic_write_text, folder_digest
 
 FORMAT_VERSION = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -87,27 +86,11 @@ def _digest(rows) -> str:
     return fingerprint([list(map(int, r)) for r in rows], length=32)
 
 
-def heldout_sequences(cfg: PipelineConfig, tokenizer) -> list[dict]:
-    """The data stage's ``eval`` split: ``[{"id", "input_ids", "docs"}]``."""
-    from pipelines.data import load_sequences
-
-    return load_sequences(cfg, split="eval", tokenizer=tokenizer)
-
-
-def training_documents(cfg: PipelineConfig, tokenizer) -> list[str]:
-    """Ids of the documents the training split was cut from."""
-    from pipelines.data import load_sequences
-
-    return [doc for s in load_sequences(cfg, split="train", tokenizer=tokenizer) for doc in s["docs"]]
-
-
 def plan(cfg: PipelineConfig) -> dict:
     """Everything the evaluation depends on, resolved without loading the model, and the directory key."""
-    from pipelines.data import load_tokenizer
-
     path = trained_model_path(cfg)
-    tokenizer = kvpop_tokenizer(path) or load_tokenizer(cfg)
-    sequences = heldout_sequences(cfg, tokenizer)
+    tokenizer = eval_parts.checkpoint_tokenizer(path) or load_tokenizer(cfg)
+    sequences = eval_parts.heldout_sequences(cfg, tokenizer)
     if not sequences:
         raise ConfigError("no held-out sequences: set data.eval_sequences >= 1")
     seq_len = len(sequences[0]["input_ids"])
@@ -118,7 +101,7 @@ def plan(cfg: PipelineConfig) -> dict:
     try:
         samples = eval_parts.recall_samples(cfg, tokenizer, context)
         problems = long_prompts.load_problems(cfg.eval.generation_prompts, seed=cfg.data.seed, training_docs=
-                                              training_documents(cfg, tokenizer)) if cfg.eval.generation_prompts else []
+                                              eval_parts.training_documents(cfg, tokenizer)) if cfg.eval.generation_prompts else []
     except ValueError as err:
         raise ConfigError(str(err)) from None
     prompts = [long_prompts.prompt_ids(p, tokenizer) for p in problems]
@@ -137,26 +120,6 @@ def plan(cfg: PipelineConfig) -> dict:
             "budgets": budgets, "samples": samples, "problems": problems, "prompts": prompts, "seq_len": seq_len}
 
 
-def kvpop_tokenizer(path: Path):
-    if not (path / "tokenizer_config.json").is_file():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def load_models(cfg: PipelineConfig, path: Path, device):
-    """The retrofitted model, and the dense reference when the base model was fine-tuned (distill) else None."""
-    model, _ = kvpop.load_retrofitted(path, dtype=DTYPES[cfg.model.dtype])
-    reference = None
-    if cfg.train.mode == "distill":
-        from kvpop.pretrained import load_pretrained
-
-        reference, _ = load_pretrained(cfg.model.resolved_path(), dtype=DTYPES[cfg.model.dtype])
-        reference.to(device).eval()
-    return model.to(device).eval(), reference
-
-
 def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     """Evaluate (or find the complete result of) this config; print the report; log it to MLflow once."""
     t0 = time.perf_counter()
@@ -173,7 +136,7 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
             atomic_write_text(marker, json.dumps({**done, "run_id": run_id}, indent=1))
         return EvalResult(out, summary, text, run_id, done["seconds"], True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # one process, one device
-    model, reference = load_models(cfg, p["path"], device)
+    model, reference = eval_parts.load_models(cfg, p["path"], device)
     records, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress)
     budgets = [{"B": b.total, "CR": 1 - b.total / p["seq_len"], "budget": str(b)} for b in p["budgets"]]
     summary = report.summarize(records, budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)

@@ -7,6 +7,7 @@ import torch
 
 import kvpop
 from kvpop import Budget
+from pipelines import eval_parts
 from pipelines import evaluate as E
 from pipelines.config import ConfigError, config_from_dict
 from tests.models import tiny_model
@@ -41,8 +42,8 @@ def setup(tokenizer, tmp_path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     heldout = [{"id": f"eval-{i:06d}", "input_ids": torch.randint(3, 2000, (SEQ,), generator=g).tolist(), "docs": []}
                for i in range(5)]
-    monkeypatch.setattr(E, "heldout_sequences", lambda cfg, tok: heldout)
-    monkeypatch.setattr(E, "training_documents", lambda cfg, tok: [])
+    monkeypatch.setattr(eval_parts, "heldout_sequences", lambda cfg, tok: heldout)
+    monkeypatch.setattr(eval_parts, "training_documents", lambda cfg, tok: [])
     cfg = config_from_dict({
         "home": str(tmp_path / "home"), "budget": {"sink": 2, "window": 8, "topk": 14},
         "precompute": {"windows": [8]}, "data": {"seq_len": SEQ}, "tracking": {"experiment": "tests"},
@@ -102,7 +103,7 @@ def test_run_writes_a_complete_directory_logs_it_once_and_reuses_it(setup, monke
     def no_model(*args, **kwargs):
         raise AssertionError("a complete result must not load the model again")
 
-    monkeypatch.setattr(E, "load_models", no_model)
+    monkeypatch.setattr(eval_parts, "load_models", no_model)
     again = E.run(cfg, progress=False)
     assert again.reused and again.output_dir == out and again.run_id == result.run_id
     assert again.summary == summary
