@@ -60,7 +60,7 @@ def parse(argv):
     p.add_argument("--min-dense", type=float, default=0.9)
     p.add_argument("--prompts", type=int, default=32, help="long-generation prompts (0 = none)")
     p.add_argument("--tokens", type=int, default=512, help="tokens per long generation")
-    p.add_argument("--generation-batch", type=int, default=32)
+    p.add_argument("--generation-batch", type=int, default=64, help="prompts per generation batch (batched by length)")
     p.add_argument("--resamples", type=int, default=4000)
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -138,11 +138,11 @@ def main(argv=None) -> int:
 
     from pipelines import evaluate, precompute, train
     from pipelines.config import load_config
-    from pipelines.legacy_tasks import TASKS
+    from pipelines.eval_parts import recall_tasks
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor() or 'x86'})"
-    tasks = args.tasks or list(TASKS)
+    tasks = args.tasks or list(recall_tasks.TASKS)
     seconds = {}
     cfg = load_config(args.config, overrides(args, tasks, args.contexts, args.depths))
     say(f"device {name}; config {args.config}; S = {cfg.data.seq_len}; {cfg.data.eval_sequences} held-out "
