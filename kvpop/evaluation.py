@@ -12,8 +12,9 @@ A :class:`Setting` is one policy at one budget (dense: no budget). How it runs i
 * **dense** is the model's dense mode, or a separate ``reference`` model (the teacher of a distilled student).
 
 The **oracle** ranks tokens by the dense teacher's future-attention targets (METHOD §2) of the very tokens it is
-run on (:func:`teacher_targets`). In free generation no targets exist for tokens not generated yet: it gets those
-of the prompt alone (a target table padded with ``-inf``, so generated tokens rank lowest).
+run on (:func:`teacher_targets`). In generation it gets the targets of the prompt followed by *dense's* greedy
+continuation, by position: exact for the tokens dense produced, and for the oracle's own tokens until they diverge
+from dense's (a table padded with ``-inf`` beyond: such tokens rank lowest).
 
 Batches of unequal prompts are **left-padded**: the fixed cache takes left padding in the first chunk, and positions
 count real tokens only (``cumsum(mask) - 1``, as ``generate`` does), so a padded row gives the same logits as the
@@ -233,7 +234,8 @@ def continue_prompts(model, setting: Setting, prompts: Sequence[Sequence[int]], 
     the cache is repeated row by row (``batch_repeat_interleave``), even rows decode greedily, odd rows are fed the
     forced tokens (right-filled with ``pad_id`` past a row's end: they come after every counted column).
 
-    ``targets``: the oracle's, one ``[layers, Hkv, n_i]`` per prompt; forced and generated tokens have none.
+    ``targets``: the oracle's, one ``[layers, Hkv, n_i]`` per prompt, indexed by token position (prompt, then
+    continuation); positions past ``n_i`` get ``-inf``.
     """
     if setting.policy == "oracle" and targets is None:
         raise ValueError("the oracle needs the teacher's targets of each prompt (teacher_targets)")
@@ -370,7 +372,7 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
     ``j`` of those logits predicts continuation token ``j``.
 
     Dense (from ``reference``, default the model's own dense mode) always runs, as the comparison; its record has
-    ``policy == "dense"`` and ``B = None``. The oracle has the prompt's targets only (:func:`continue_prompts`).
+    ``policy == "dense"`` and ``B = None``. The oracle has the targets of prompt + dense's continuation.
     Prompts are batched in order of length (less padding); records are in that order too.
     """
     reference = model if reference is None else reference
@@ -390,8 +392,8 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
             dense.forced = dense.logits[:, :max(len(t) for t in given)]
         records += _generation_records(Setting("dense"), rows, dense_tokens, dense_tokens, dense.forced, dense.forced,
                                        given, score)
-        targets = ({w: [t[:, 0] for t in per] for w, per in _row_targets(reference, batch, windows).items()}
-                   if windows else {})
+        targets = ({w: [t[:, 0] for t in per] for w, per in _row_targets(
+            reference, [p + d for p, d in zip(batch, dense_tokens)], windows).items()} if windows else {})
         for setting in runs:
             out = continue_prompts(model, setting, batch, max_new_tokens=max_new_tokens, pad_id=pad_id,
                                    targets=targets.get(setting.budget.window) if setting.policy == "oracle" else None,

@@ -89,7 +89,7 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
                      f" seen in training), greedy {cfg.eval.generation_tokens} tokens; diverge_at = tokens until the "
                      f"first divergence from dense; answer = last \\boxed{{}} or last number")
     if "oracle" in cfg.eval.policies and (p["samples"] or p["problems"]):
-        lines.append("oracle in free generation: the prompt's own teacher targets (none exist for generated tokens)")
+        lines.append("oracle in generation: the teacher targets of the prompt + dense's continuation, by position")
     return "\n".join(lines)
 
 

@@ -114,13 +114,12 @@ def test_generation_items_dense_continuation_and_gold_scoring():
         assert 0 <= r["divergence"] <= len(r["tokens"]) == 8
         assert r["divergence"] == next(i for i in range(9) if i == 8 or r["tokens"][i] != dense[r["item"]]["tokens"][i])
     # KL on dense's continuation: the same as teacher-forcing prompt + continuation one row at a time (the oracle
-    # with the prompt's targets only, as in generation)
+    # with the targets of exactly those tokens)
     for r in records:
         if r["policy"] == "dense":
             continue
         row = rows[r["item"]] + dense[r["item"]]["tokens"]
-        table = EV.oracle_table(targets_of(model, [rows[r["item"]]]), len(row)) if r["policy"] == "oracle" else None
-        pol = EV.sequence_logits(model, setting(r["policy"]), row, targets=table)
+        pol = EV.sequence_logits(model, setting(r["policy"]), row)
         den = EV.sequence_logits(model, EV.Setting("dense"), row)
         n = len(rows[r["item"]])
         want = kvpop.metrics.per_sequence(pol[n - 1:-1], den[n - 1:-1])[0]
@@ -138,9 +137,11 @@ def test_generation_items_dense_continuation_and_gold_scoring():
     scored = EV.generation_items(model, rows, EV.settings(["dense", "streaming", "tova", "oracle"], [BUDGET]),
                                  max_new_tokens=3, eos_id=None, forced=gold, score=score)
     assert sorted(set(seen)) == [(0, 3), (1, 1)]
+    dense_answers = {r["item"]: r["tokens"] for r in scored if r["policy"] == "dense"}
     for r in scored:
         full = rows[r["item"]] + gold[r["item"]]
-        table = EV.oracle_table(targets_of(model, [rows[r["item"]]]), len(full)) if r["policy"] == "oracle" else None
+        known = rows[r["item"]] + dense_answers[r["item"]]  # the oracle's targets: prompt + dense's continuation
+        table = EV.oracle_table(targets_of(model, [known]), len(full)) if r["policy"] == "oracle" else None
         logits = EV.sequence_logits(model, setting(r["policy"]), full, targets=table)
         want = torch.log_softmax(logits, -1)[torch.arange(len(full) - 1), torch.tensor(full[1:])]
         assert r["gold_logprob"] == pytest.approx(float(want[len(rows[r["item"]]) - 1:].sum()), rel=1e-4)
