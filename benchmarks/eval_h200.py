@@ -202,7 +202,7 @@ def main(argv=None) -> int:
                                   unreachable=metrics["unreachable"], markdown=True)
     md = [f"# Evaluation with intervals ({name}, {Path(args.config).name})", "",
           f"S = {cfg.data.seq_len}; {cfg.data.eval_sequences} held-out sequences (TOVA / H2O on "
-          f"{args.dynamic_sequences or 'all'}); recall: tasks {', '.join(chosen[0])}, contexts {chosen[1]}, depths "
+          f"{min(args.dynamic_sequences or cfg.data.eval_sequences, cfg.data.eval_sequences)}); recall: tasks {', '.join(chosen[0])}, contexts {chosen[1]}, depths "
           f"{chosen[2]}, {args.task_samples} samples per cell; long generation: {args.prompts} prompts x "
           f"{args.tokens} tokens. Seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()
                                                          if isinstance(v, float)) + ".", "",
