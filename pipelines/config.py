@@ -48,7 +48,7 @@ class DataConfig:
     split: str = "train"
     seq_len: int = 512
     num_sequences: int = 16  # training sequences (SmolLM2 teacher on 2 busy CPU cores: ~4 s per 512-token sequence)
-    eval_sequences: int = 4  # held-out sequences (disjoint documents)
+    eval_sequences: int = 8  # held-out sequences (disjoint documents): the items of the evaluation's intervals
     packing: bool = True  # concatenate documents with EOS and cut into seq_len pieces; else truncate/drop short docs
     seed: int = 0
 
@@ -139,8 +139,8 @@ class EvalConfig:
     task_samples: int = 4  # per (task, context, depth) cell; 0 = no recall tasks
     task_min_dense: float = 0.9  # headline recall metrics: only cells where dense exact match >= this
     max_new_tokens: int = 12  # greedy tokens per recall answer
-    generation_prompts: int = 0  # held-out champ problems for long free generation; 0 = none
-    generation_tokens: int = 64  # greedy tokens per long generation
+    generation_prompts: int = 4  # held-out champ problems for long free generation; 0 = none
+    generation_tokens: int = 32  # greedy tokens per long generation
     resamples: int = 4000  # bootstrap resamples (fixed seed); exact enumeration when fewer distinct ones exist
     checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
     batch_size: int = 4  # held-out sequences per teacher-forced forward
