@@ -15,7 +15,8 @@ value may be ``None`` where it is undefined for an item (a problem dense did not
   stage marked ``headline`` (dense accuracy at least the calibration threshold).
 
 Wording follows the intervals: "above" / "below" only where the paired interval excludes 0, otherwise "not resolved
-(≈ N items needed)". Dense records of the generation parts carry ``B = None`` and stand in every budget's block.
+(≈ N items needed)". Per-item values are rounded to 1e-6 first, so that float noise is not a resolved difference.
+Dense records of the generation parts carry ``B = None`` and stand in every budget's block.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ METRICS = (
     Metric("generation", "solved", "gen_solved_where_dense", "solved|dense", True),
 )
 HEADLINE = ("top1_agreement", "kl", "recall_exact", "gen_divergence", "gen_kl")
+DECIMALS = 6  # per-item values are rounded: float noise (fp32 KL of equal distributions, ~1e-9) is no difference
 GAP_METRICS = ("top1_agreement", "kl", "gen_kl")
 
 
@@ -75,7 +77,7 @@ def _values(records, metric: Metric, total: int) -> dict[str, dict[str, float]]:
             continue
         value = r.get(metric.field)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
-            out[r["policy"]][r["item"]] = float(value)
+            out[r["policy"]][r["item"]] = round(float(value), DECIMALS)
     return out
 
 

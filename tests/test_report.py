@@ -32,7 +32,8 @@ def text_records(seed=0, n=24):
 
 
 def values_of(records, policy, total, field="top1_agreement", part="text"):
-    return {r["item"]: r[field] for r in records if r["policy"] == policy and r["B"] in (total, None)
+    """The items' values as the summary must use them (rounded to 1e-6, the report's rule)."""
+    return {r["item"]: round(r[field], R.DECIMALS) for r in records if r["policy"] == policy and r["B"] in (total, None)
             and r["part"] == part and r.get(field) is not None and r.get("headline", True)}
 
 
@@ -141,3 +142,15 @@ def test_mlflow_names_and_figures():
     md = R.format_report(summary, BUDGETS, markdown=True)
     assert "### held-out text" in md and "| policy | budget | top1 | kl | acc |" in md
     assert "\n- At B = 100 (CR 80%), kvpop vs streaming: top1 above" in md
+
+
+def test_float_noise_is_no_difference():
+    """Identical policies whose per-item KL differs only by float noise (~1e-9, one sign) are identical, not
+    "resolved": the values are rounded to 1e-6 before bootstrapping."""
+    records = [{"part": "generation", "policy": p, "B": 100, "item": f"p{i}", "kl": 0.01 * i + (1e-9 if p == "kvpop"
+                                                                                            else 0.0)}
+               for p in ("streaming", "kvpop") for i in range(6)]
+    summary = R.summarize(records, BUDGETS[:1], resamples=200)
+    diff = next(d for d in summary["differences"] if d["policy"] == "kvpop")
+    assert (diff["estimate"], diff["lo"], diff["hi"], diff["resolved"]) == (0.0, 0.0, 0.0, False)
+    assert "gen_kl identical on every item" in " ".join(R.sentences(summary, BUDGETS[:1]))
