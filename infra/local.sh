@@ -73,7 +73,8 @@ ensure_token() {  # the token Ray reads (see the header); a missing default or R
   if [ -n "${RAY_AUTH_TOKEN:-}" ]; then token_from='$RAY_AUTH_TOKEN'; return 0; fi
   local file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
   if [ ! -s "$file" ]; then
-    (umask 077 && mkdir -p "$(dirname "$file")" && "$py" -c "import secrets; print(secrets.token_hex(32), end='')" >"$file")
+    (umask 077 && mkdir -p "$(dirname "$file")" &&
+      "$py" -c "import secrets; print(secrets.token_hex(32), end='')" >"$file")
     echo "generated a Ray auth token in $file"
   fi
   chmod 600 "$file"
