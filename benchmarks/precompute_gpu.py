@@ -112,8 +112,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
 
-    from kvpop.pretrained import load_pretrained, smollm2_dir
+    from kvpop.pretrained import load_pretrained
     from kvpop.targets import causal_attention_with_lse, future_attention_targets, teacher_pass
+    from pipelines.models import smollm2_dir
     from pipelines.precompute import compute_rows, shard_table, write_shard
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)

@@ -19,8 +19,7 @@ from typing import Any
 import yaml
 
 from kvpop.budget import Budget
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from pipelines.models import REPO_ROOT, kvpop_home, smollm2_dir
 
 
 class ConfigError(ValueError):
@@ -34,7 +33,6 @@ class ModelConfig:
 
     def resolved_path(self) -> Path:
         if self.path == "smollm2":
-            from kvpop.pretrained import smollm2_dir
             return smollm2_dir()
         return Path(self.path).expanduser()
 
@@ -174,7 +172,6 @@ class PipelineConfig:
     def home_dir(self) -> Path:
         if self.home:
             return Path(self.home).expanduser().resolve()
-        from kvpop.pretrained import kvpop_home
         return Path(kvpop_home()).resolve()
 
     def tracking_uri(self) -> str:

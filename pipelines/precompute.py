@@ -334,9 +334,11 @@ def run(cfg: PipelineConfig, *, split: str = "train",
     """
     from tqdm.auto import tqdm
 
+    from pipelines.cluster import check_address
     from pipelines.data import load_sequences, load_tokenizer
 
     t_start = time.perf_counter()
+    check_address(cfg)  # a ray.address where no cluster answers fails here, before anything is written
     cfg = dataclasses.replace(cfg, home=str(cfg.home_dir()))  # workers resolve the same home as the driver
     tokenizer = load_tokenizer(cfg)
     sequences = load_sequences(cfg, split, tokenizer)  # raises before anything is written on bad/empty data

@@ -270,8 +270,10 @@ def calibrate(model, tokenizer, *, samples: int = 24, contexts=(256, 384, 512), 
 def main(argv: list[str] | None = None) -> None:  # pragma: no cover - a look at the prompts, or a calibration
     import argparse
 
-    from kvpop.pretrained import load_pretrained, smollm2_dir
     from transformers import AutoTokenizer
+
+    from kvpop.pretrained import load_pretrained
+    from pipelines.models import smollm2_dir
 
     parser = argparse.ArgumentParser(description="print one sample per task, or calibrate on SmolLM2 (dense)")
     parser.add_argument("command", nargs="?", choices=("show", "calibrate"), default="show")
