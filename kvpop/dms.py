@@ -13,7 +13,8 @@ only when the token leaves a sliding window. What follows is the public recipe o
   Why an adapter and not the paper's borrowed query channel: a borrowed channel stops feeding attention, so the
   base model must be retrained before it is itself again; an adapter leaves the frozen base intact, so DMS trains
   in this project's scorer-only mode (base frozen, the gates in ``self_attn.kvpop_scorer``) and in ``distill``
-  mode alike, each comparable with KVpop trained the same way at matched training tokens.
+  mode alike, each comparable with KVpop trained the same way at matched training tokens. Unlike a KVpop scorer's
+  ``[k; v]``, the gate's input is not detached: in ``distill`` mode its loss reaches the base, as in the paper.
 * **Shift by one.** The gate read at token ``t + 1`` decides token ``t`` ("eviction info about i'th token is
   produced by i'th+1 token"); the last token of a sequence has no decision yet and is kept.
 * **Delayed eviction.** ``window`` counts the current token, like :class:`kvpop.Budget` (NVIDIA's
