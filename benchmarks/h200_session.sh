@@ -22,7 +22,7 @@ for part in $parts; do
     # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
     quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
     # the tests that only run where CUDA is (skipped in CI): CUDA-graph replay equals eager stepping, compiled paths
-    gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py -k "graphed or cuda" ;;
+    gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py tests/test_dms.py -k "graphed or cuda" ;;
     kernels)    python benchmarks/kernels.py --only correctness targets train --out "$out/kernels_h200_run3.json" ;;
     # issue 3: KVpop / streaming peak memory and latency vs context, each configuration in a fresh process
     decode)     python benchmarks/decode.py --isolate --policies kvpop streaming --out "$out/decode_h200_run3.json" ;;

@@ -339,7 +339,10 @@ class KVpopCache(Cache):
         if policy.budget is None:
             raise ValueError("the dense policy has no budget: decode it with transformers' DynamicCache")
         self.policy = policy
-        super().__init__(layers=[KVpopLayer(runtime, i, policy) for i in range(runtime.num_layers)])
+        layer_class = KVpopLayer
+        if policy.ragged:  # DMS: ragged per-head occupancy in a growing buffer (function-local: it builds on this one)
+            from kvpop.dms_cache import DMSLayer as layer_class
+        super().__init__(layers=[layer_class(runtime, i, policy) for i in range(runtime.num_layers)])
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held: ``kv`` (= B × layers × Hkv × head_dim × 2 × dtype size × batch), metadata, scorer state."""

@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
+from kvpop.dms import DMSGate, attach_gates
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
@@ -109,9 +110,13 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
         if (budget or pol.budget) is None:
             raise ValueError("a scorer reads priorities `window` tokens late: pass a budget to retrofit it")
         window = (budget or pol.budget).window
-        spec = {"name": scorer, **(scorer_options or {})}
-        for module in layers:
-            module.kvpop_scorer = build_scorer(scorer, kv_heads, head_dim, window, **(scorer_options or {})).to(device)
+        options = scorer_options or {}
+        spec = {"name": scorer, **options}
+        if scorer == DMSGate.name:  # DMS's gates read the layers' hidden states, not [k; v]
+            attach_gates(layers, model.config.hidden_size, kv_heads, window, device, **options)
+        else:
+            for module in layers:
+                module.kvpop_scorer = build_scorer(scorer, kv_heads, head_dim, window, **options).to(device)
     base_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     runtime = Runtime(pol, num_layers, heads, kv_heads, head_dim, base_impl, spec)
     for module in layers:

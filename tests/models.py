@@ -26,6 +26,21 @@ def tiny_model(arch: str = "llama", heads: str = "gqa", *, layers: int = 2, voca
     return model_cls(config).eval()
 
 
+def dms_model(arch: str = "llama", heads: str = "gqa", budget=None, *, offset: float = 0.0, layers: int = 2,
+              seed: int = 0):
+    """A tiny model retrofitted with random DMS gates (kvpop.dms): about half the tokens evicted at ``offset = 0``,
+    more below; ``budget`` defaults to ``Budget(2, 5, 0)``."""
+    import kvpop
+
+    model = tiny_model(arch, heads, layers=layers, seed=seed)
+    kvpop.retrofit(model, budget or kvpop.Budget(2, 5, 0), scorer="dms", policy="dms",
+                   scorer_options={"scale": 1.0, "offset": offset})
+    generator = torch.Generator().manual_seed(seed + 1)
+    for gate in kvpop.scorers(model):
+        gate.proj.weight.data.normal_(generator=generator)
+    return model
+
+
 def save_tiny_teacher(path, tokenizer, *, arch: str = "llama", heads: str = "gqa", layers: int = 2, seed: int = 0):
     """A tiny random decoder saved as a plain HF folder with ``tokenizer`` (its vocab sized to the tokenizer)."""
     model = tiny_model(arch, heads, layers=layers, vocab=len(tokenizer), seed=seed)

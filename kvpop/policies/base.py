@@ -30,6 +30,7 @@ class Policy:
 
     name: ClassVar[str] = "policy"
     dynamic: ClassVar[bool] = False
+    ragged: ClassVar[bool] = False  # per-token decisions, no fixed budget: its own mask and cache (DMS)
 
     def __post_init__(self):
         if self.budget is not None and not isinstance(self.budget, Budget):
