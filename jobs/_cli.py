@@ -44,9 +44,9 @@ def preflight(cfg: PipelineConfig) -> None:
         context = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
     except ValueError:
         raise ConfigError(f"{model / 'config.json'} is not valid JSON") from None
-    total = cfg.budget.budget().total
+    total = cfg.budget.total
     if isinstance(context, int) and total > context:
-        raise ConfigError(f"budget {cfg.budget.budget()} keeps {total} tokens, more than the model's context of "
+        raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "
                           f"{context} (max_position_embeddings): impossible budget")
     from pipelines.data import is_local_source
 
