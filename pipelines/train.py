@@ -149,8 +149,12 @@ def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *
                                                    else max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             callbacks=list(callbacks),
-            worker_runtime_env={"env_vars": {**env_home(cfg), "OMP_NUM_THREADS": str(spec.threads),
-                                             **({"NCCL_NVLS_ENABLE": "0"} if t.use_gpu else {})}}),
+            worker_runtime_env={"env_vars": {
+                **env_home(cfg), "OMP_NUM_THREADS": str(spec.threads),
+                # Ray Train V2 patches print() in its workers to print *and* log each line: every progress line
+                # reached the console twice
+                "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
+                **({"NCCL_NVLS_ENABLE": "0"} if t.use_gpu else {})}}),
         datasets={"train": dataset},
         dataset_config=ray.train.DataConfig(execution_options=ingest),
     )
