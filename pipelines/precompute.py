@@ -175,7 +175,7 @@ def run(cfg: PipelineConfig, *, progress: Callable[[dict, int, int], None] | Non
         require_resources(f"{actors} teacher actors × precompute.num_cpus_per_actor", actors * p.num_cpus_per_actor,
                           actors * p.num_gpus_per_actor)
         with store.writing(folder, header) as writer:
-            committed = writer.committed()
+            committed = store.committed_shards(folder, writer.header.plan)
             by_id = {s["id"]: s["input_ids"] for s in sequences}
             pending = [{"shard": e.shard, "ids": list(e.ids),
                         "input_ids": np.asarray([by_id[i] for i in e.ids], dtype=np.int32)}

@@ -87,7 +87,14 @@ def train_key(cfg: PipelineConfig) -> str:
                        cfg.train.run_name, cfg.train.output_root)
 
 
-KEYS: dict[str, Callable[[PipelineConfig], str]] = {"precompute": precompute_key, "train": train_key}
+def evaluate_key(cfg: PipelineConfig) -> str:
+    """The evaluated model (``eval.checkpoint``, or the train record's key), the teacher, the held-out data and
+    every evaluation setting."""
+    return fingerprint("evaluate", cfg.eval.checkpoint or train_key(cfg), cfg.model, cfg.data, cfg.eval)
+
+
+KEYS: dict[str, Callable[[PipelineConfig], str]] = {"precompute": precompute_key, "train": train_key,
+                                                     "evaluate": evaluate_key}
 
 
 def key_for(cfg: PipelineConfig, stage: str) -> str:

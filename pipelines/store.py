@@ -28,11 +28,10 @@ column              type                            meaning
 
 The Parquet schema metadata carries ``kvpop.schema_version`` and ``kvpop.key``.
 
-**Commit rules.** Readers trust only the manifest: a shard file without a record (a writer killed between rename and
-append) does not exist for them and is recomputed; a torn last line (killed mid-append) is not committed; if a shard
-appears twice the last record wins. :func:`open_targets` refuses — one :class:`TargetsError` line saying what to do —
-a directory whose identity differs from what the caller expects, an unreadable header, an incomplete or empty
-manifest, a missing or corrupt file, or a shard missing a column.
+**Commit rules.** Readers trust only the manifest: a shard file without a record (its writer killed before the
+append) is recomputed, a torn last line is not committed, the last record of a shard wins. :func:`open_targets`
+refuses, in one :class:`TargetsError` line saying what to do, a directory whose identity differs from what the caller
+expects, an unreadable header, an incomplete or empty manifest, a missing or corrupt file, or a missing column.
 """
 from __future__ import annotations
 
@@ -76,33 +75,22 @@ def shard_name(index: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ identity
-def model_shape(cfg: PipelineConfig) -> dict:
-    """The teacher's layers, KV heads and vocabulary (the shapes of the target and logit columns)."""
+def target_identity(cfg: PipelineConfig, tokenizer=None) -> dict:
+    """Everything the targets depend on (the teacher's shape included: it fixes the columns' shapes); its hash names
+    the directory."""
     path = cfg.model.resolved_path()
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path {path} has no config.json: run `make model` for SmolLM2 or point model.path "
                           f"at a saved Hugging Face folder")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
-    heads = config.num_attention_heads
-    return {"num_layers": config.num_hidden_layers, "num_kv_heads": getattr(config, "num_key_value_heads", None)
-            or heads, "vocab_size": config.vocab_size}
-
-
-def target_identity(cfg: PipelineConfig, tokenizer=None) -> dict:
-    """Everything the targets depend on; its hash names the directory."""
     p = cfg.precompute
     return {
-        "kind": "kvpop.targets",
-        "schema_version": SCHEMA_VERSION,
-        "teacher": teacher_identity(cfg),
-        "data": data_fingerprint(cfg, tokenizer),
-        "split": SPLIT,
-        "seq_len": cfg.data.seq_len,
-        "windows": sorted({int(w) for w in p.windows}),
-        "top_k": p.top_k,
-        "group_reduce": p.group_reduce,
-        "sequences_per_shard": p.sequences_per_shard,
-        **model_shape(cfg),
+        "kind": "kvpop.targets", "schema_version": SCHEMA_VERSION, "teacher": teacher_identity(cfg),
+        "data": data_fingerprint(cfg, tokenizer), "split": SPLIT, "seq_len": cfg.data.seq_len,
+        "windows": sorted({int(w) for w in p.windows}), "top_k": p.top_k, "group_reduce": p.group_reduce,
+        "sequences_per_shard": p.sequences_per_shard, "num_layers": config.num_hidden_layers,
+        "num_kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "vocab_size": config.vocab_size,
     }
 
 
@@ -268,9 +256,6 @@ class Writer:
         for stale in (folder / SHARDS).glob(".shard-*.tmp-*") if (folder / SHARDS).is_dir() else []:
             stale.unlink(missing_ok=True)  # temp files of a killed writer (we hold the lock: nobody writes them now)
 
-    def committed(self) -> set[int]:
-        return committed_shards(self.folder, self.header.plan)
-
     def commit(self, record: ShardRecord) -> None:
         """Append the shard's record to the manifest and fsync: from now on readers see the shard."""
         with open(self.folder / MANIFEST, "a") as f:
@@ -330,10 +315,6 @@ class Targets:
     def ids(self) -> list[str]:
         return [i for r in self.records for i in r.ids]
 
-    def columns(self, window: int | None = None) -> list[str]:
-        windows = self.identity["windows"] if window is None else [window]
-        return ["input_ids", *[target_column(w) for w in windows], "topk_values", "topk_indices"]
-
     def read_table(self, columns: list[str] | None = None) -> pa.Table:
         """All rows as one table (small data and tests; training streams the files through Ray Data)."""
         return pa.concat_tables([pq.read_table(f, columns=columns) for f in self.files])
@@ -372,26 +353,23 @@ def _check_schema(file: Path, identity: dict, needed: list[str]) -> None:
 
 def _check_identity(folder: Path, found: dict, expect: dict) -> None:
     """``expect`` ⊆ ``found``, with a message per field that says which setting differs."""
-    teacher, want_teacher = found.get("teacher", {}), expect.get("teacher")
-    if want_teacher is not None and teacher.get("weights_sha256") != want_teacher["weights_sha256"]:
+    teacher, want = found.get("teacher", {}), expect.get("teacher")
+    if want is not None and teacher.get("weights_sha256") != want["weights_sha256"]:
         raise TargetsError(f"targets at {folder} come from another teacher ({teacher.get('name')}, weights "
                            f"{str(teacher.get('weights_sha256'))[:12]}…) than the model being trained (weights "
-                           f"{want_teacher['weights_sha256'][:12]}…): precompute targets with this model.path")
-    if want_teacher is not None and teacher.get("dtype") != want_teacher["dtype"]:
-        raise TargetsError(f"targets at {folder} were computed in {teacher.get('dtype')}, the config says model.dtype="
-                           f"{want_teacher['dtype']}: precompute with this config, or set model.dtype to match")
+                           f"{want['weights_sha256'][:12]}…): precompute targets with this model.path")
     if "seq_len" in expect and found.get("seq_len") != expect["seq_len"]:
         raise TargetsError(f"targets at {folder} are for sequences of {found.get('seq_len')} tokens, the config trains "
                            f"on data.seq_len={expect['seq_len']}: precompute with this seq_len or set data.seq_len="
                            f"{found.get('seq_len')}")
-    settings = {"top_k": "precompute.top_k", "group_reduce": "precompute.group_reduce", "data": "data.* (the corpus, "
-                "its tokenizer or a data setting)", "split": "the split"}
-    for name in sorted(set(expect) - {"teacher", "seq_len"}):
-        if found.get(name) != expect[name]:
-            what = settings.get(name, name)
-            raise TargetsError(f"targets at {folder} were computed with another {what} ({name}={found.get(name)!r}, "
-                               f"this config: {expect[name]!r}): precompute with this config, or point train.targets "
-                               f"at targets computed with it")
+    settings = {"top_k": "precompute.top_k", "group_reduce": "precompute.group_reduce", "teacher": "model.dtype",
+                "data": "data.* (the corpus, its tokenizer or a data setting)"}
+    for name, want_value, found_value in [("teacher", (want or {}).get("dtype"), teacher.get("dtype")),
+                                          *[(k, expect[k], found.get(k)) for k in sorted(set(expect) - {"teacher"})]]:
+        if want_value is not None and found_value != want_value:
+            raise TargetsError(f"targets at {folder} were computed with another {settings.get(name, name)} "
+                               f"({found_value!r}, this config: {want_value!r}): precompute with this config, or "
+                               f"point train.targets at targets computed with it")
 
 
 def open_targets(path: str | os.PathLike, *, expect: dict | None = None, windows: Iterable[int] = (),

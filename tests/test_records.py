@@ -42,6 +42,13 @@ def test_keys_follow_the_settings_a_stage_output_depends_on(tmp_path):
         other = _cfg(tmp_path, extra)
         assert records.precompute_key(other) == records.precompute_key(base), extra
         assert records.train_key(other) != records.train_key(base), extra
+        assert records.evaluate_key(other) != records.evaluate_key(base), extra
+    for extra in ("eval.budgets=[100]", "eval.checkpoint=/m"):
+        assert records.evaluate_key(_cfg(tmp_path, extra)) != records.evaluate_key(base), extra
+        assert records.train_key(_cfg(tmp_path, extra)) == records.train_key(base), extra
+    assert records.key_for(base, "evaluate") == records.evaluate_key(base)
+    with pytest.raises(ValueError, match="no record key for stage 'sweep'"):
+        records.key_for(base, "sweep")
 
 
 def test_the_trained_model_is_found_from_the_record_alone(tmp_path, monkeypatch):

@@ -176,7 +176,7 @@ def _rewrite_manifest_entry(folder, shard: int) -> None:
     ("other_teacher", "another teacher"),
     ("seq_len", "sequences of 64 tokens"),
     ("window", "windows \\[8, 16\\], not budget.window=4"),
-    ("top_k", "another precompute.top_k \\(top_k=8, this config: 4\\)"),
+    ("top_k", "another precompute.top_k \\(8, this config: 4\\)"),
     ("data", "another data"),
     ("missing_column", "has no column 'topk_values'"),
     ("flipped_bytes", "corrupt"),
