@@ -120,8 +120,7 @@ def make_spec(cfg: PipelineConfig, targets: store.Targets, name: str, storage: P
         save_final=save_final)
 
 
-def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *, callbacks: tuple = (),
-                 max_failures: int | None = None):
+def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *, callbacks: tuple = ()):
     """The ``TorchTrainer`` of one run: Ray Train's run name and storage are ``spec.run_dir`` (same pair → resume);
     ``callbacks``: Ray Train callbacks (a sweep passes Tune's ``TuneReportCallback``)."""
     import ray
@@ -145,8 +144,7 @@ def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *
                                                resources_per_worker=resources),
         run_config=ray.train.RunConfig(
             name=run_dir.name, storage_path=str(run_dir.parent),
-            failure_config=ray.train.FailureConfig(max_failures=t.max_failures if max_failures is None
-                                                   else max_failures),
+            failure_config=ray.train.FailureConfig(max_failures=t.max_failures),
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
             callbacks=list(callbacks),
             worker_runtime_env={"env_vars": {

@@ -18,7 +18,7 @@ def _retrofitted():
 def test_scorer_only_freezes_the_base_and_distill_trains_everything():
     model = _retrofitted()
     scorer_ids = {id(p) for p in kvpop.scorers(model).parameters()}
-    only = trainable_parameters(model, "scorer_only")
+    only = kvpop.trainable_parameters(model, "scorer_only")  # exported by the package
     assert {id(p) for p in only["scorers"]} == scorer_ids and only["base"] == []
     assert {id(p) for p in model.parameters() if p.requires_grad} == scorer_ids
     both = trainable_parameters(model, "distill")
