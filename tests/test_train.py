@@ -263,3 +263,16 @@ def test_the_final_model_stores_base_weights_only_when_they_trained(tmp_path, ti
     ids = torch.randint(1, 100, (1, 32))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_the_workers_must_leave_ray_data_a_cpu(monkeypatch):
+    import ray
+
+    from pipelines.cluster import require_resources
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0, "GPU": 1.0})
+    require_resources("2 workers × 1.5 CPUs", 3.0, 1)
+    with pytest.raises(ConfigError, match="2 workers × 2 CPUs = 4 CPUs leaves none of the cluster's 4 to Ray Data"):
+        require_resources("2 workers × 2 CPUs", 4.0)
+    with pytest.raises(ConfigError, match="needs 2 GPUs; the cluster has 1"):
+        require_resources("2 GPU workers", 2.0, 2)
