@@ -171,15 +171,18 @@ class TrainResult:
     targets: Path
 
 
+def _join_cluster(cfg: PipelineConfig) -> None:
+    ensure_ray(cfg)
+    t = cfg.train
+    require_resources("train.num_workers × train.cpus_per_worker", t.num_workers * t.cpus_per_worker,
+                      t.num_workers if t.use_gpu else 0)
+
+
 def _fit(cfg: PipelineConfig, targets: store.Targets, name: str, run_id: str) -> dict:
     """Train the run to ``train.steps`` (resuming from its last checkpoint); the last metrics. Marks the MLflow run
     FAILED if training fails."""
     import mlflow
 
-    ensure_ray(cfg)
-    t = cfg.train
-    require_resources("train.num_workers × train.cpus_per_worker", t.num_workers * t.cpus_per_worker,
-                      t.num_workers if t.use_gpu else 0)
     client = mlflow.MlflowClient(cfg.tracking_uri())
     client.update_run(run_id, status="RUNNING")
     spec = make_spec(cfg, targets, name, runs_root(cfg), run_id)
@@ -223,6 +226,8 @@ def run(cfg: PipelineConfig) -> TrainResult:
         raise ConfigError(f"run {name} has already trained {done} steps and train.steps={steps} asks for fewer: set "
                           f"train.steps={done} to use that run, or set train.run_name to train a new run")
 
+    if done != steps:
+        _join_cluster(cfg)  # before the MLflow run: a cluster that cannot train leaves nothing behind
     run_id = tracking.find_run(cfg, name, "train") or tracking.create_run(
         cfg, name, stage="train", tags={"kvpop.targets": str(targets.path),
                                         "kvpop.strategy": cfg.train.resolved_strategy,
