@@ -54,9 +54,9 @@ def preflight(cfg: PipelineConfig) -> None:
         raise ConfigError(missing_message(model) if cfg.model.path == "smollm2" else f"model.path: {err}") from None
     except ModelConfigError as err:
         raise ConfigError(f"model.path: {err}") from None
-    total = cfg.budget.budget().total
+    total = cfg.budget.total
     if isinstance(context, int) and total > context:
-        raise ConfigError(f"budget {cfg.budget.budget()} keeps {total} tokens, more than the model's context of "
+        raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "
                           f"{context} (max_position_embeddings): impossible budget")
     from pipelines.data import is_local_source
 

@@ -17,7 +17,7 @@ def body(cfg):
     start = time.perf_counter()
     stages = 4 if cfg.sweep.in_pipeline else 3
     print(f"[kvpop] config {cfg.name}: model {cfg.model.resolved_path()}, data {cfg.data.source}, "
-          f"S={cfg.data.seq_len}, budget {cfg.budget.budget()} (B={cfg.budget.budget().total}), "
+          f"S={cfg.data.seq_len}, budget {cfg.budget} (B={cfg.budget.total}), "
           f"MLflow {cfg.tracking_uri()}", flush=True)
     print(f"[kvpop] 1/{stages} precompute teacher targets", flush=True)
     targets = precompute.run(cfg)
@@ -27,7 +27,7 @@ def body(cfg):
         swept = sweep.run(cfg)
         cfg = swept.best_config
         print(f"[kvpop]     best config {swept.best_path}: scorer {cfg.train.scorer}, lr {cfg.train.lr:g}, budget "
-              f"{cfg.budget.budget()}", flush=True)
+              f"{cfg.budget}", flush=True)
     print(f"[kvpop] {stages - 1}/{stages} train the scorers", flush=True)
     trained = train.run(cfg)
     print(f"[kvpop]     {trained.model_dir}", flush=True)

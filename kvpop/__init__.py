@@ -2,10 +2,11 @@
 from kvpop.budget import Budget
 from kvpop.cache import KVpopCache
 from kvpop.decode import teacher_forced_logits
+from kvpop.parameters import trainable_parameters
 from kvpop.policies import POLICIES, build_policy
 from kvpop.retrofit import (collect_priorities, load_retrofitted, load_scorers, oracle_priorities, retrofit,
                             save_retrofitted, scorers, set_policy)
 
 __all__ = ["Budget", "KVpopCache", "POLICIES", "build_policy", "collect_priorities", "load_retrofitted",
            "load_scorers", "oracle_priorities", "retrofit", "save_retrofitted", "scorers", "set_policy",
-           "teacher_forced_logits"]
+           "teacher_forced_logits", "trainable_parameters"]

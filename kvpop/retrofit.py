@@ -3,7 +3,9 @@
 Retrofitting attaches one scorer per attention layer (``self_attn.kvpop_scorer``), a shared :class:`Runtime`, and
 switches the model's attention implementation to ``"kvpop"`` through transformers' ``AttentionInterface`` and
 ``AttentionMaskInterface`` registries. ``save_retrofitted`` / ``load_retrofitted`` round-trip it through a plain
-folder: the base model as transformers saves it, plus ``kvpop.json`` and ``kvpop_scorers.safetensors``.
+folder: ``kvpop.json`` and ``kvpop_scorers.safetensors``, plus either the base model as transformers saves it (format 1)
+or, when the base weights did not change (scorer-only training), the base folder's path and weights digest instead
+of a second copy of the weights (format 2).
 """
 from __future__ import annotations
 
@@ -16,21 +18,19 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.dms import DMSGate, attach_gates
+from kvpop.files import weights_digest
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
-try:
-    from transformers.masking_utils import AttentionMaskInterface
-except ImportError:  # pragma: no cover - very old transformers
-    AttentionMaskInterface = None
-
 ATTN_NAME = "kvpop"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # base weights + scorers in one folder
+SCORER_ONLY_FORMAT_VERSION = 2  # scorers + the base model's identity (its folder and weights digest)
 CONFIG_FILE = "kvpop.json"
 SCORERS_FILE = "kvpop_scorers.safetensors"
 
@@ -54,8 +54,7 @@ class Runtime:
 
 def _register() -> None:
     AttentionInterface.register(ATTN_NAME, kvpop_attention_forward)
-    if AttentionMaskInterface is not None:
-        AttentionMaskInterface.register(ATTN_NAME, passthrough_mask)
+    AttentionMaskInterface.register(ATTN_NAME, passthrough_mask)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -211,26 +210,40 @@ def _describe(model: nn.Module) -> dict:
     }
 
 
-def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
-    """Save base weights (as transformers saves them), ``kvpop.json`` and the scorer weights into ``path``."""
+def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None, *, base: str | Path | None = None,
+                     base_sha256: str | None = None) -> Path:
+    """Save a retrofitted model into ``path``: ``kvpop.json``, the scorer weights and, unless ``base`` is given, the
+    base weights as transformers saves them (a folder plain transformers loads too).
+
+    ``base``: the folder holding this model's base weights unchanged (scorer-only training froze them). Then no
+    second copy of the base is written; ``kvpop.json`` records the folder and the digest of its weights, and
+    :func:`load_retrofitted` loads the base from there (or from a folder given to it) and checks the digest.
+    ``base_sha256``: that digest (:func:`kvpop.files.weights_digest`) if the caller has it, else it is computed.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     runtime = runtime_of(model)
-    base_state = {k: v for k, v in model.state_dict().items() if ".kvpop_scorer." not in k}
-    model.config._attn_implementation = runtime.base_attn_implementation  # loadable without KVpop
-    try:
-        model.save_pretrained(path, state_dict=base_state)
-    finally:
-        model.config._attn_implementation = ATTN_NAME
+    meta = _describe(model)
+    if base is not None:
+        base = Path(base).expanduser().resolve()
+        meta.update(format_version=SCORER_ONLY_FORMAT_VERSION,
+                    base={"path": str(base), "weights_sha256": base_sha256 or weights_digest(base)})
+    else:
+        base_state = {k: v for k, v in model.state_dict().items() if ".kvpop_scorer." not in k}
+        model.config._attn_implementation = runtime.base_attn_implementation  # loadable without KVpop
+        try:
+            model.save_pretrained(path, state_dict=base_state)
+        finally:
+            model.config._attn_implementation = ATTN_NAME
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     if runtime.scorer_spec is not None:
         weights = {f"layers.{i}.{k}": v.detach().cpu().contiguous() for i, m in enumerate(attention_modules(model))
                    for k, v in m.kvpop_scorer.state_dict().items()}
         save_file(weights, str(path / SCORERS_FILE))
-    (path / CONFIG_FILE).write_text(json.dumps(_describe(model), indent=2))
+    (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return path
 
 
@@ -260,17 +273,42 @@ def load_scorers(model: nn.Module, path: str | Path) -> None:
                              f"retrofit with the scorer options they were trained with") from None
 
 
-def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """``(model, tokenizer_or_None)`` from a folder written by :func:`save_retrofitted`; no remote code."""
+def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: bool) -> Path:
+    """Where a folder's base weights are: itself, or (scorer-only format) the recorded or given base folder."""
+    recorded = meta.get("base")
+    if recorded is None:
+        return path
+    folder = Path(base).expanduser() if base is not None else Path(recorded["path"])
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds scorers only; its base model {folder} is missing: pass base=<a folder "
+                                f"with the same weights> (recorded weights sha256 {recorded['weights_sha256'][:12]}…)")
+    if verify_base and weights_digest(folder) != recorded["weights_sha256"]:
+        raise ValueError(f"the base model at {folder} is not the one the scorers in {path} were trained on (weights "
+                         f"sha256 differs from the recorded {recorded['weights_sha256'][:12]}…): pass base=<the "
+                         f"original base folder>")
+    return folder
+
+
+def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     base: str | Path | None = None, verify_base: bool = True):
+    """``(model, tokenizer_or_None)`` from a folder written by :func:`save_retrofitted`; local files only, no remote
+    code.
+
+    A scorer-only folder (saved with ``base=``) loads its base model from ``base`` or else from the recorded folder,
+    after checking that folder's weights digest against the recorded one (``verify_base=False`` skips the check, which
+    reads every weight file once).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: it is not a folder written by kvpop.save_retrofitted")
     meta = json.loads((path / CONFIG_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: kvpop format {meta.get('format_version')}, this version reads {FORMAT_VERSION}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    if meta.get("format_version") not in (FORMAT_VERSION, SCORER_ONLY_FORMAT_VERSION):
+        raise ValueError(f"{path}: kvpop format {meta.get('format_version')}, this version reads {FORMAT_VERSION} "
+                         f"and {SCORER_ONLY_FORMAT_VERSION}")
+    folder = _base_folder(path, meta, base, verify_base)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).to(device)
     budget = Budget(**meta["budget"]) if meta["budget"] else None
     spec = dict(meta["scorer"]) if meta["scorer"] else None
     name = spec.pop("name") if spec else None
@@ -281,6 +319,8 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     if spec is not None or name is not None:
         load_scorers(model, path)
     tokenizer = None
-    if (path / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    for candidate in (path, folder):
+        if (candidate / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(candidate, local_files_only=True)
+            break
     return model, tokenizer

