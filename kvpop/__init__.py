@@ -1,6 +1,7 @@
 """KVpop: learned, fixed-budget KV-cache eviction (METHOD.md). Pure torch + transformers; no Ray here."""
 from kvpop.budget import Budget
 from kvpop.cache import KVpopCache
+from kvpop import dms_cache  # noqa: F401  registers the DMS cache layer (kvpop.cache.LAYER_TYPES)
 from kvpop.decode import teacher_forced_logits
 from kvpop.parameters import trainable_parameters
 from kvpop.policies import POLICIES, build_policy

@@ -328,6 +328,11 @@ def _compiled_policy_step(policy_cls):
     return torch.compile(policy_cls.step, dynamic=False)
 
 
+# Cache layer types of policies whose cache is not the fixed B slots, by policy name. The module defining one
+# registers it (kvpop.dms_cache, imported by the package), so that this module never imports what builds on it.
+LAYER_TYPES: dict[str, type[KVpopLayer]] = {}
+
+
 class KVpopCache(Cache):
     """A transformers Cache of ``KVpopLayer``s; ``model.generate`` of a retrofitted model creates one itself."""
 
@@ -339,9 +344,10 @@ class KVpopCache(Cache):
         if policy.budget is None:
             raise ValueError("the dense policy has no budget: decode it with transformers' DynamicCache")
         self.policy = policy
-        layer_class = KVpopLayer
-        if policy.ragged:  # DMS: ragged per-head occupancy in a growing buffer (function-local: it builds on this one)
-            from kvpop.dms_cache import DMSLayer as layer_class
+        layer_class = LAYER_TYPES.get(policy.name, KVpopLayer)
+        if policy.ragged and layer_class is KVpopLayer:
+            raise ValueError(f"policy {policy.name!r} keeps a ragged number of tokens per head, and no cache layer "
+                             f"type is registered for it in kvpop.cache.LAYER_TYPES")
         super().__init__(layers=[layer_class(runtime, i, policy) for i in range(runtime.num_layers)])
 
     def nbytes(self) -> dict[str, int]:

