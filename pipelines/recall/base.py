@@ -96,17 +96,17 @@ def prompt_text(tokenizer, user: str, answer_prefix: str) -> str:
     return user + "\n\n" + answer_prefix
 
 
-def encode(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]] | None]:
+def encode(tokenizer, text: str, *, offsets: bool = False) -> tuple[list[int], list[tuple[int, int]] | None]:
     """Token ids of a whole prompt text (special tokens come from the template, or from the tokenizer when there is
-    none) and their character offsets (None for a tokenizer without offsets)."""
+    none) and, with ``offsets`` and a fast tokenizer, their character offsets (else None)."""
     special = not uses_chat_template(tokenizer)
-    if getattr(tokenizer, "is_fast", False):
+    if offsets and getattr(tokenizer, "is_fast", False):
         out = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         return list(out["input_ids"]), [tuple(o) for o in out["offset_mapping"]]
     return list(tokenizer(text, add_special_tokens=special)["input_ids"]), None
 
 
-def _token_span(tokenizer, text: str, ids, offsets, start: int, end: int) -> tuple[int, int]:
+def _token_span(tokenizer, text: str, offsets, start: int, end: int) -> tuple[int, int]:
     """Tokens covering characters ``[start, end)`` of ``text``."""
     if offsets is not None:
         first = next(i for i, (_, e) in enumerate(offsets) if e > start)
@@ -117,7 +117,7 @@ def _token_span(tokenizer, text: str, ids, offsets, start: int, end: int) -> tup
 
 
 class _Layout:
-    """The prompt of one draft for a given amount of filler: its text, ids and where the pieces landed."""
+    """The prompt text of one draft for a given amount of filler, and where the filler and the needle landed."""
 
     def __init__(self, tokenizer, draft: Draft, units: list[str], sep: str, n: int, words: int):
         pieces: list[tuple[str, bool | None]] = [(u, None) for u in units[:n]]  # (text, needle flag; None = filler)
@@ -136,7 +136,6 @@ class _Layout:
         user = f"{draft.instruction}\n\n{body}\n\n{draft.question}"
         self.text = prompt_text(tokenizer, user, draft.answer_prefix)
         base = self.text.find(user) + len(draft.instruction) + 2
-        self.ids, self.offsets = encode(tokenizer, self.text)
         self.body = (base, base + len(body))
         self.needle = (base + needle[0][0], base + needle[-1][1]) if needle else None
 
@@ -149,44 +148,46 @@ def build_sample(family: Family, spec, index: int, tokenizer) -> RecallSample:
     stream = family.filler(random.Random(stable_seed(spec.task, spec.seed, index, "filler")), draft)
     units: list[str] = []
     sep = family.haystack.sep
-
-    def draw(count: int) -> None:
-        while len(units) < count:
-            units.append(next(stream))
+    lengths: dict[tuple[int, int], int] = {}
 
     def layout(n: int, words: int = 0) -> _Layout:
-        draw(n + 1)
+        while len(units) <= max(n, 63):
+            units.append(next(stream))
         return _Layout(tokenizer, draft, units, sep, n, words)
 
-    empty = layout(0)
-    if len(empty.ids) > spec.context:
+    def length(n: int, words: int = 0) -> int:  # the prompt's token count with n units and some words of the next
+        if (n, words) not in lengths:
+            lengths[n, words] = len(encode(tokenizer, layout(n, words).text)[0])
+        return lengths[n, words]
+
+    if length(0) > spec.context:
         raise ValueError(f"recall task {spec.task!r}: context {spec.context} is too short, its prompt without filler "
-                         f"already takes {len(empty.ids)} tokens")
-    draw(64)
-    per_unit = max(1.0, sum(len(encode(tokenizer, sep + u)[0]) for u in units[:64]) / 64)
-    n, size = 0, len(empty.ids)
+                         f"already takes {length(0)} tokens")
+    per_unit = max(1.0, len(encode(tokenizer, sep.join(units[:64]))[0]) / 64)
+    n = 0
     for _ in range(8):  # secant steps towards the length, then exact single steps
-        step = int((spec.context - size) / per_unit)
+        step = int((spec.context - length(n)) / per_unit)
         if step == 0:
             break
         n = max(0, n + step)
-        size = len(layout(n).ids)
-    while n > 0 and len(layout(n).ids) > spec.context:
+    while n > 0 and length(n) > spec.context:
         n -= 1
-    while len(layout(n + 1).ids) <= spec.context:
+    while length(n + 1) <= spec.context:
         n += 1
-    words = 0
-    while words + 1 < len(units[n].split(" ")) and len(layout(n, words + 1).ids) <= spec.context:
-        words += 1
-    best = layout(n, words)
+    low, high = 0, len(units[n].split(" ")) - 1  # the most words of unit n + 1 that still fit (bisection)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if length(n, mid) <= spec.context else (low, mid - 1)
+    best = layout(n, low)
+    ids, offsets = encode(tokenizer, best.text, offsets=True)
     full = encode(tokenizer, best.text + draft.answer)[0]
-    if full[:len(best.ids)] != best.ids:
+    if full[:len(ids)] != ids:
         raise RuntimeError(f"recall task {spec.task!r}: the answer {draft.answer!r} changes how the prompt's end "
                            f"tokenizes; end the reply prefix where a token ends")
-    needle = _token_span(tokenizer, best.text, best.ids, best.offsets, *best.needle) if best.needle else (0, 0)
-    body = _token_span(tokenizer, best.text, best.ids, best.offsets, *best.body)
+    needle = _token_span(tokenizer, best.text, offsets, *best.needle) if best.needle else (0, 0)
+    body = _token_span(tokenizer, best.text, offsets, *best.body)
     return RecallSample(
         id=f"{spec.task}/c{spec.context}/d{spec.depth:g}/s{spec.seed}/{index}", task=spec.task, context=spec.context,
-        depth=spec.depth, seed=spec.seed, index=index, prompt_ids=best.ids, answer=draft.answer,
-        answer_ids=full[len(best.ids):], needle_token_start=needle[0], needle_token_end=needle[1],
+        depth=spec.depth, seed=spec.seed, index=index, prompt_ids=ids, answer=draft.answer,
+        answer_ids=full[len(ids):], needle_token_start=needle[0], needle_token_end=needle[1],
         haystack_token_start=body[0], haystack_token_end=body[1])
