@@ -1,5 +1,6 @@
-"""``python -m jobs.calibrate [--config …] [--set …] [--tasks …] [--contexts …] [--depths …] [--samples N] [--seed N]
-[--max-new-tokens N]``: how often the dense model (``model.path``) solves each recall task × context × depth.
+"""``python -m jobs.calibrate [--config …] [--set …] [--tasks …] [--contexts …] [--depths …] [--samples N]
+[--seed N] [--max-new-tokens N] [--batch-size N]``: how often the dense model (``model.path``) solves each recall
+task × context × depth.
 
 Grid options (comma-separated lists): ``--tasks`` (default: every task of ``pipelines.recall.TASKS``), ``--contexts``
 in tokens (default: 1024, 2048, 4096, 8192 up to the model's context), ``--depths`` in [0, 1] (default 0.1, 0.5, 0.9),

@@ -54,8 +54,8 @@ def _previous_token_phases(max_positions: int, pairs: int) -> tuple[torch.Tensor
     """RoPE frequencies for previous-token heads and the smallest margin of their score peak.
 
     A head whose query carries phase ``-k·θ_i`` in pair ``i`` (key: phase 0) scores ``Σ_i cos(θ_i (Δ - k))`` at
-    distance ``Δ``: largest at ``Δ = k``; returns the frequencies and ``min_k [s(k) - max_{Δ != k} s(Δ)]`` over every
-    distance a sequence of ``max_positions`` tokens has.
+    distance ``Δ``: largest at ``Δ = k``; returns the frequencies and ``min_k [s(k) - max_{Δ != k} s(Δ)]`` over
+    every distance a sequence of ``max_positions`` tokens has.
     """
     import math
 

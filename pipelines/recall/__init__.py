@@ -5,6 +5,9 @@ One file per task family — ``niah`` (single needle, multi-key needles with dis
 requested length with the needle at the requested depth; ``spec`` holds the registry :data:`TASKS` and
 :class:`TaskSpec`; ``scoring`` scores a sample (exact match, gold log-probability and rank); ``calibration`` measures
 the dense model's accuracy per task × context × depth. Nothing here imports a pipeline stage.
+
+The facts depend on position: the needle sits at the requested depth of the filler and the question names its key,
+never its value, so for depths below ~0.9 a policy that keeps only recent tokens (plus sinks) cannot answer.
 """
 from pipelines.recall.base import RecallSample
 from pipelines.recall.calibration import calibrate, greedy_generate_fn, teacher_forced

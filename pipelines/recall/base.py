@@ -11,7 +11,8 @@ under the evaluated model's own tokenizer.
 
 Placement rule: with ``n`` whole filler units, an insert at fraction ``f`` goes before unit ``round(f * n)``
 (inserts at the same place keep the family's order), so the needle's token position inside the filler is the
-requested depth up to one unit; the filler is then topped up word by word from unit ``n + 1`` at its end.
+requested depth up to one unit and the distractors placed before it; the filler is then topped up word by word from
+unit ``n + 1`` at its end.
 
 Determinism: the facts, the filler stream and the distractor places depend only on ``(task, seed, index)`` through
 :func:`stable_seed` (sha256, never ``hash()``), so one sample index holds the same facts at every context and depth —

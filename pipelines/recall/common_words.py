@@ -1,9 +1,10 @@
 """Common-word extraction (RULER cwe, aggregation): a long list of words in which one word is the most common, and
 its occurrences are packed into a region around the spec's depth; asked for the most common word.
 
-The filler is the list itself (:data:`~pipelines.recall.haystack.WORD_LIST`) without the answer. The answer occurs ``2e + 4·sqrt(e) + 6`` times, where ``e`` is the expected count of any other word at
-this length — far more than any of them reaches — all within ``spread`` of the depth, so the count that decides the
-answer can only be made where the region is still in the cache (a recent window sees ordinary words only).
+The filler is the list itself (:data:`~pipelines.recall.haystack.WORD_LIST`) without the answer. The answer occurs
+``2e + 4·sqrt(e) + 6`` times, where ``e`` is the expected count of any other word at this length — far more than
+any of them reaches — all within ``spread`` of the depth, so the count that decides the answer can only be made
+where the region is still in the cache (a recent window sees ordinary words only).
 """
 from __future__ import annotations
 
