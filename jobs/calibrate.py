@@ -21,9 +21,6 @@ from pipelines.config import ConfigError
 from pipelines.recall import TASKS, TaskSpec
 from pipelines.recall import calibration as C
 
-FILE = "calibration.json"
-
-
 def _list(kind):
     def parse(text: str):
         try:
@@ -60,34 +57,15 @@ def specs_for(grid, max_context: int | None) -> list[TaskSpec]:
 
 
 def body(cfg, grid) -> None:
-    import torch
-    from transformers import AutoTokenizer
-
-    from kvpop.pretrained import load_pretrained
-    from pipelines.config import fingerprint
-    from pipelines.identity import atomic_write_text, teacher_identity, tokenizer_digest
-
-    path = cfg.model.resolved_path()
-    specs = specs_for(grid, json.loads((path / "config.json").read_text()).get("max_position_embeddings"))
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    identity = {"model": teacher_identity(cfg), "tokenizer_sha256": tokenizer_digest(tokenizer),
-                "max_new_tokens": grid.max_new_tokens, "threshold": C.THRESHOLD}
-    out = cfg.home_dir() / "calibration" / fingerprint(identity, specs)
-    if (out / FILE).is_file():
-        rows = json.loads((out / FILE).read_text())["rows"]
-        print(f"calibration found in {out} (not run again)")
-    else:
-        model, tokenizer = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype),
-                                           device="cuda" if torch.cuda.is_available() else "cpu")
-        print(f"calibrating {len(specs)} cells x {grid.samples} samples on {path.name} (dense)", flush=True)
-        generate = C.greedy_generate_fn(tokenizer, grid.max_new_tokens, grid.batch_size)
-        rows = C.calibrate(model, tokenizer, specs, generate_fn=generate, batch_size=grid.batch_size,
-                           progress=lambda line: print(line, flush=True))
-        atomic_write_text(out / "table.txt", C.format_table(rows) + "\n")
-        atomic_write_text(out / FILE, json.dumps({**identity, "rows": rows}, indent=1))  # written last: complete
+    config = json.loads((cfg.model.resolved_path() / "config.json").read_text())
+    specs = specs_for(grid, config.get("max_position_embeddings"))
+    name = cfg.model.resolved_path().name
+    print(f"recall calibration of {name} (dense): {len(specs)} cells x {grid.samples} samples", flush=True)
+    rows, out, reused = C.run(cfg, specs, max_new_tokens=grid.max_new_tokens, batch_size=grid.batch_size,
+                              progress=lambda line: print(line, flush=True))
     print(C.format_table(rows))
-    usable = sum(r["usable"] for r in rows)
-    print(f"{usable} of {len(rows)} cells usable (dense exact match >= {C.THRESHOLD}); written to {out}")
+    print(f"{sum(r['usable'] for r in rows)} of {len(rows)} cells usable (dense exact match >= {C.THRESHOLD}); "
+          f"{'found in' if reused else 'written to'} {out}")
 
 
 def main(argv=None) -> int:

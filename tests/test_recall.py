@@ -269,7 +269,7 @@ def test_calibrate_cli_writes_once_and_refuses_bad_specs(tokenizer, tmp_path, ca
     rows = json.loads(written.read_text())["rows"]
     assert [(r["task"], r["context"], r["depth"], r["samples"]) for r in rows] == [
         ("niah_single", 160, 0.5, 1), ("common_words", 160, 0.5, 1)]
-    assert main(args) == 0 and "not run again" in capsys.readouterr().out
+    assert main(args) == 0 and f"found in {written.parent}" in capsys.readouterr().out
 
     def exit_code(argv):
         try:

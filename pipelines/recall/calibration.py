@@ -3,17 +3,21 @@
 Only cells the dense model solves (exact match >= ``threshold``, 0.9 by default) can show what an eviction policy
 loses; the others are reported, not used for the headline. Generation is passed in (``generate_fn(model, prompts)
 -> texts``) so that the evaluation's own runner can drive it; :func:`greedy_generate_fn` is a plain
-``model.generate`` loop for use without it.
+``model.generate`` loop for use without it. :func:`run` keeps one result per (model, tokenizer, grid) under
+``$KVPOP_HOME/calibration/<hash>/``: ``calibration.json`` (written last; its presence means complete) and
+``table.txt``.
 """
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from pipelines.recall.scoring import gold_logprob_and_rank, score_text
 from pipelines.recall.spec import TaskSpec, generate_samples
 
 CONTEXTS = (1024, 2048, 4096, 8192)
+RESULT = "calibration.json"
 DEPTHS = (0.1, 0.5, 0.9)
 THRESHOLD = 0.9
 
@@ -132,3 +136,32 @@ def format_table(rows: Sequence[dict]) -> str:
     widths = [max(len(line[i]) for line in cells) for i in range(len(keys))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(line, widths)))
                      for line in cells)
+
+
+def run(cfg, specs: Sequence[TaskSpec], *, max_new_tokens: int = 12, batch_size: int = 1,
+        progress: Callable[[str], None] | None = None) -> tuple[list[dict], Path, bool]:
+    """Calibrate ``cfg.model`` (dense, greedy) on ``specs`` unless that was done before: ``(rows, directory,
+    reused)``."""
+    import json
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from kvpop.pretrained import load_pretrained
+    from pipelines.config import fingerprint
+    from pipelines.identity import atomic_write_text, teacher_identity, tokenizer_digest
+
+    path = cfg.model.resolved_path()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    identity = {"model": teacher_identity(cfg), "tokenizer_sha256": tokenizer_digest(tokenizer),
+                "max_new_tokens": max_new_tokens, "threshold": THRESHOLD}
+    out = cfg.home_dir() / "calibration" / fingerprint(identity, list(specs))
+    if (out / RESULT).is_file():
+        return json.loads((out / RESULT).read_text())["rows"], out, True
+    model, _ = load_pretrained(path, dtype=getattr(torch, cfg.model.dtype),
+                               device="cuda" if torch.cuda.is_available() else "cpu")
+    rows = calibrate(model, tokenizer, specs, generate_fn=greedy_generate_fn(tokenizer, max_new_tokens, batch_size),
+                     batch_size=batch_size, progress=progress)
+    atomic_write_text(out / "table.txt", format_table(rows) + "\n")
+    atomic_write_text(out / RESULT, json.dumps({**identity, "rows": rows}, indent=1))
+    return rows, out, False
