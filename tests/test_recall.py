@@ -70,16 +70,16 @@ def test_bad_specs_are_one_clear_error_each(tokenizer):
 
 
 def test_deterministic_and_pinned(tokenizer):
-    spec = R.TaskSpec("niah_multikey", 512, 0.25, samples=3, seed=7)
+    spec = R.TaskSpec("niah_multikey_4", 512, 0.25, samples=3, seed=7)
     first, again = R.generate_samples(spec, tokenizer), R.generate_samples(spec, tokenizer)
     assert first == again and digest(first) == digest(again)
     # a different machine, Python version or tokenizer shows up here
-    assert digest(first) == "dbc733e0b9fe51b35e10bac51dc51389591034d99ed6a626f9312f25e5e9d179"
+    assert digest(first) == "7c89f317ced4f160d6aaa6c8a39a72e180626497ce26cd4c7b1282a77acd1898"
     assert len({tuple(s.prompt_ids) for s in first}) == 3
-    other = R.generate_samples(R.TaskSpec("niah_multikey", 512, 0.25, samples=3, seed=8), tokenizer)
+    other = R.generate_samples(R.TaskSpec("niah_multikey_4", 512, 0.25, samples=3, seed=8), tokenizer)
     assert {s.answer for s in other}.isdisjoint({s.answer for s in first})
     # one index holds the same facts in every cell of the grid (paired cells)
-    moved = R.generate_samples(R.TaskSpec("niah_multikey", 1024, 0.75, samples=3, seed=7), tokenizer)
+    moved = R.generate_samples(R.TaskSpec("niah_multikey_4", 1024, 0.75, samples=3, seed=7), tokenizer)
     assert [s.answer for s in moved] == [s.answer for s in first]
 
 

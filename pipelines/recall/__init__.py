@@ -1,6 +1,6 @@
 """RULER-style long-range recall tasks, generated offline with the evaluated model's tokenizer and fixed seeds.
 
-One file per task family — ``niah`` (single needle, multi-key needles with distractors), ``variable_tracking``
+One file per task family — ``niah`` (single needle; multi-key: 2 or 4 needles, one asked, the others distractors), ``variable_tracking``
 (1–4 hops), ``common_words`` (aggregation) — over the filler of ``haystack``; ``base`` builds a prompt of the
 requested length with the needle at the requested depth; ``spec`` holds the registry :data:`TASKS` and
 :class:`TaskSpec`; ``scoring`` scores a sample (exact match, gold log-probability and rank); ``calibration`` measures

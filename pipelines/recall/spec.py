@@ -16,7 +16,7 @@ from pipelines.recall.variable_tracking import VariableTracking
 TASKS: dict[str, Family] = {f.name: f for f in (
     Needles("niah_single", REPEAT),
     Needles("niah_single_essay", ESSAY),
-    Needles("niah_multikey", ESSAY, keys=4),
+    *(Needles(f"niah_multikey_{keys}", ESSAY, keys=keys) for keys in (2, 4)),
     *(VariableTracking(f"variable_tracking_{hops}", REPEAT, hops=hops) for hops in (1, 2, 3, 4)),
     CommonWords("common_words", WORD_LIST),
 )}
