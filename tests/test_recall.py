@@ -249,6 +249,10 @@ def test_calibrate_measures_dense_and_restores_the_policy(tokenizer, needle_mode
     assert (row["task"], row["context"], row["depth"], row["samples"]) == ("niah_single", 256, 0.3, 2)
     assert row["exact"] == 1.0 and row["all_top1"] == 1.0 and row["first_token_hit"] == 1.0 and row["usable"]
     assert [item["exact"] for item in row["items"]] == [True, True]
+    batched = calibrate(model, tokenizer, specs, generate_fn=greedy_generate_fn(tokenizer, NEW_TOKENS, batch_size=2),
+                        batch_size=2)  # left-padded generation, right-padded teacher forcing: the same scores
+    for one, two in zip(row["items"], batched[0]["items"]):
+        assert {**two, "logprob": pytest.approx(one["logprob"], abs=1e-4)} == one
     with pytest.raises(ValueError, match="longer than the model's context of 1024"):
         calibrate(model, tokenizer, [R.TaskSpec("niah_single", 2048)], generate_fn=None)
 
