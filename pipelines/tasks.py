@@ -1,12 +1,16 @@
-"""Generated long-range tasks for the free-generation check (fixed seeds, exact match).
+"""The first generated tasks (fixed seeds, exact match) — superseded by :mod:`pipelines.recall`.
 
-Each sample is a chat prompt (the instruct model's chat template) whose *facts* — everything the answer depends on —
-sit together far back in the context, behind filler text, then a question, then the start of the assistant's reply
-(``prefix``), which the model continues greedily for a few tokens. The answer is a number; a sample is solved when
-:func:`extract_answer` of the continuation (the number after the first ``=``, else the first number) equals it.
+Retired because at ~2k-token prompts SmolLM2-135M fails them even with full attention, their facts sit at one early
+depth only, and ``arithmetic`` tests adding as much as recall. Kept only while the pre-issue-11 evaluation stage
+(``pipelines/evaluate.py``) and the ``eval.tasks`` defaults of ``pipelines/config.py`` still name them: delete this
+module and ``tests/test_tasks.py`` once those use :mod:`pipelines.recall`. Calibration lives in
+:mod:`pipelines.recall.calibration` (``python -m jobs.calibrate``).
 
-Tasks (:data:`TASKS`), each sized so that SmolLM2-135M-Instruct with full attention solves it often (see
-:func:`calibrate`; a 135M model cannot add from memory, chain more than one hop, or add three numbers):
+Each sample is a chat prompt whose *facts* — everything the answer depends on — sit together far back in the
+context, behind filler text (:data:`pipelines.recall.haystack.ESSAY_SENTENCES`), then a question, then the start of
+the assistant's reply (``prefix``), which the model continues greedily for a few tokens. The answer is a number; a
+sample is solved when :func:`extract_answer` of the continuation (the number after the first ``=``, else the first
+number) equals it.
 
 * ``kv_retrieval`` — "The secret code of <name> is <4 digits>." early; two distractor codes of other people later;
   "What is the secret code of <name>?" → "The secret code of <name> is" ``5242``.
@@ -15,14 +19,9 @@ Tasks (:data:`TASKS`), each sized so that SmolLM2-135M-Instruct with full attent
 * ``arithmetic`` — "Alice has 4 shells. Daniel has 9 shells." early (``terms`` people, two by default); "How many
   shells do Alice and Daniel have together?" → "Adding their shells:" ``4 + 9 = 13``: both numbers, then a sum.
 
-The filler is a fixed list of plain English sentences in this file (no digits, none of the task's names), drawn with
-the sample's own seed, so samples are identical on every machine and Python version; the prompt grows sentence by
-sentence until its templated token count reaches ``context`` tokens. The facts sit after the first 5–15% of the
-filler: at ``context`` = 384 they are 295–340 tokens before the last prompt position, beyond any window or
-streaming budget below that.
-
-``python -m pipelines.tasks`` prints a sample of each task; ``python -m pipelines.tasks calibrate`` measures the
-dense model's accuracy per task and context length.
+The filler is drawn with the sample's own seed, so samples are identical on every machine and Python version; the
+prompt grows sentence by sentence until its templated token count reaches ``context`` tokens. The facts sit after
+the first 5–15% of the filler. ``python -m pipelines.tasks`` prints a sample of each task.
 """
 from __future__ import annotations
 
@@ -30,58 +29,11 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from pipelines.recall.haystack import ESSAY_SENTENCES
+
 TASKS = ("kv_retrieval", "variable_tracking", "arithmetic")
 
-FILLER = (
-    "The morning train was quiet, and most passengers read or looked out of the window.",
-    "A small bakery on the corner sells bread that is still warm at dawn.",
-    "Rivers shape valleys slowly, carrying sand and stones towards the sea.",
-    "The library keeps old maps in a cool room on the top floor.",
-    "Gardeners often plant beans next to corn because the two help each other grow.",
-    "The committee met again and agreed to postpone the decision until spring.",
-    "On clear nights the sky above the hills is full of faint stars.",
-    "A good kettle boils water quickly and keeps the handle cool.",
-    "The old bridge was repaired last summer with stone from a nearby quarry.",
-    "Many birds fly south when the days grow short and the air turns cold.",
-    "The museum added a new hall for paintings of ships and harbours.",
-    "Fresh snow muffles sound, so a winter forest can feel very still.",
-    "The cook tasted the soup, added a pinch of salt, and stirred it again.",
-    "Farmers watch the clouds closely during the weeks before the harvest.",
-    "The village square has a fountain where children play in the afternoon.",
-    "Most of the letters in the box were written in careful, slanted handwriting.",
-    "A lighthouse guides ships away from the rocks along the northern coast.",
-    "The teacher drew a large circle on the board and asked a simple question.",
-    "Wooden floors creak more in dry weather than in damp weather.",
-    "The market opens early, and the best fruit is usually gone by noon.",
-    "A gentle wind moved the curtains while the house slowly grew warm.",
-    "Bees visit many flowers in a single trip before returning to the hive.",
-    "The path through the woods is marked with small painted stones.",
-    "Some people prefer tea in the morning and coffee later in the day.",
-    "The orchestra tuned their instruments while the audience found their seats.",
-    "Rain on a tin roof makes a steady sound that many find relaxing.",
-    "The shop on the hill repairs bicycles, clocks and old radios.",
-    "In autumn the leaves of the maple trees turn a deep shade of red.",
-    "The ferry crosses the lake slowly, stopping at each small pier.",
-    "A well written manual explains not only what to do but also why.",
-    "The cat slept on the warm windowsill for most of the afternoon.",
-    "Mountain roads wind back and forth to keep the slope gentle.",
-    "The town council planted new trees along the main street.",
-    "Old photographs fade when they are left in bright sunlight.",
-    "The students worked in pairs and compared their notes at the end.",
-    "A thick fog rolled in from the sea and covered the harbour.",
-    "The farmer repaired the fence before moving the sheep to the upper field.",
-    "Good bread needs time, patience and a warm place to rise.",
-    "The hikers stopped at the ridge to admire the view of the valley.",
-    "A quiet reading room is hard to find in a busy city.",
-    "The carpenter measured the board twice before making a single cut.",
-    "Streetlights flickered on one by one as the evening grew dark.",
-    "The garden behind the house has roses, herbs and a small pond.",
-    "Travellers often remember the food of a place more than its buildings.",
-    "The river was high after the storm, and the fields near it were flooded.",
-    "A new bookshop opened near the station and quickly became popular.",
-    "The clock in the hall chimed softly every quarter of an hour.",
-    "Children collected shells on the beach and sorted them by colour.",
-)
+FILLER = ESSAY_SENTENCES
 
 NAMES = ("Alice", "Bruno", "Clara", "Daniel", "Elena", "Felix", "Grace", "Hugo", "Irene", "Jonas", "Karla", "Leon",
          "Maria", "Nadia", "Oscar", "Paula", "Rafael", "Sofia", "Tomas", "Vera", "Walter", "Yara", "Zoe", "Miguel")
@@ -250,42 +202,11 @@ def needle_distance(sample: TaskSample, tokenizer, chat: bool = True, fact: str 
     return len(ids) - before
 
 
-def calibrate(model, tokenizer, *, samples: int = 24, contexts=(256, 384, 512), max_new_tokens: int = 12,
-              batch_size: int = 12, seed: int = 0) -> dict[int, dict[str, float]]:
-    """Dense exact-match accuracy per task and context length (the check that the tasks are solvable at all)."""
-    import kvpop
-    from pipelines.evaluate import evaluate_model
-
-    if getattr(model, "kvpop_runtime", None) is None:
-        kvpop.retrofit(model, None, scorer=None, policy="dense")
-    out = {}
-    for context in contexts:
-        tasks = {name: generate_samples(name, samples, tokenizer, context=context, seed=seed) for name in TASKS}
-        row = evaluate_model(model, tokenizer, [], policies=["dense"], budgets=[kvpop.Budget(0, 1, 0)], tasks=tasks,
-                             max_new_tokens=max_new_tokens, generation_batch_size=batch_size, progress=False)[0]
-        out[context] = {name: row[name] for name in TASKS}
-    return out
-
-
-def main(argv: list[str] | None = None) -> None:  # pragma: no cover - a look at the prompts, or a calibration
-    import argparse
-
+def main(argv: list[str] | None = None) -> None:  # pragma: no cover - a look at the prompts
     from transformers import AutoTokenizer
 
-    from kvpop.pretrained import load_pretrained
     from pipelines.models import smollm2_dir
 
-    parser = argparse.ArgumentParser(description="print one sample per task, or calibrate on SmolLM2 (dense)")
-    parser.add_argument("command", nargs="?", choices=("show", "calibrate"), default="show")
-    parser.add_argument("--samples", type=int, default=24)
-    parser.add_argument("--contexts", default="256,384,512")
-    args = parser.parse_args(argv)
-    if args.command == "calibrate":
-        model, tokenizer = load_pretrained(smollm2_dir())
-        for context, accs in calibrate(model, tokenizer, samples=args.samples,
-                                       contexts=[int(c) for c in args.contexts.split(",")]).items():
-            print(f"context {context}: " + ", ".join(f"{k} {v:.2f}" for k, v in accs.items()), flush=True)
-        return
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir(), local_files_only=True)
     for task in TASKS:
         sample = generate_samples(task, 1, tokenizer)[0]
