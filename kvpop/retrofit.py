@@ -20,6 +20,7 @@ from transformers import AttentionInterface
 from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
+from kvpop.decode import prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
@@ -48,7 +49,10 @@ class Runtime:
     oracle: torch.Tensor | None = None  # [layers, B, Hkv, S] teacher targets for the oracle policy
     collected: dict | None = None  # layer -> ranked priorities (with grad) of the last forward
     pending: dict = field(default_factory=dict)  # layer -> cache layer whose update awaits its attention call
-    compile_decode: bool = False  # torch.compile the per-layer decoding step (fuses ~100 small kernels per layer)
+    compile_decode: bool = False  # torch.compile each layer's decoding step (fuses ~100 small kernels per layer)
+    # generate() feeds a longer prompt in chunks of this many columns, each compressed into the B slots before the
+    # next (bounded prefill: K/V memory peaks at B + chunk per layer, not at the prompt's length)
+    prefill_chunk: int = 2048
 
 
 def _register() -> None:
@@ -123,12 +127,31 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
     return model
 
 
-def _generate_with_kvpop_cache(self, *args, **kwargs):
-    """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache)."""
-    if self.kvpop_runtime.policy.budget is not None and kwargs.get("past_key_values") is None \
-            and kwargs.get("cache") is None:
-        kwargs[CACHE_KWARG] = KVpopCache(self)
-    return type(self).generate(self, *args, **kwargs)
+def _generate_with_kvpop_cache(self, inputs=None, *args, prefill_chunk: int | None = None, **kwargs):
+    """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache), and a
+    bounded prefill: a prompt longer than ``prefill_chunk`` columns (default ``Runtime.prefill_chunk``) goes through
+    the cache in chunks of that many (:func:`kvpop.decode.prefill`), the last of them in transformers' own first
+    forward. ``prefill_chunk=1`` prefills token by token, exactly as decoding."""
+    if self.kvpop_runtime.policy.budget is None:
+        return type(self).generate(self, inputs, *args, **kwargs)
+    given = [kwargs.pop(name, None) for name in ("past_key_values", "cache")]
+    cache = next((c for c in given if c is not None), None) or KVpopCache(self)
+    kwargs[CACHE_KWARG] = cache
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    chunk = prefill_chunk if prefill_chunk is not None else self.kvpop_runtime.prefill_chunk
+    if torch.is_tensor(ids) and ids.dim() == 2 and isinstance(cache, KVpopCache):
+        done = cache.get_seq_length()
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt columns per call), got {chunk!r}")
+        end = done + max(ids.shape[1] - done - 1, 0) // chunk * chunk  # all but the last chunk
+        if end > done:
+            mask = kwargs.get("attention_mask")
+            if mask is None:
+                mask = kwargs["attention_mask"] = torch.ones_like(ids)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate computes them
+            prefill(self, ids[:, :end], cache=cache, chunk=chunk, attention_mask=mask[:, :end],
+                    position_ids=positions[:, :end])
+    return type(self).generate(self, inputs, *args, **kwargs)
 
 
 
