@@ -29,6 +29,8 @@ for part in $parts; do
     # dense at batch 1: eager DynamicCache and a graphed StaticCache step (fewer steps: eager dense is ~80 ms/token)
     decode_dense) python benchmarks/decode.py --isolate --policies dense --batches 1 --steps 100 \
                   --out "$out/decode_h200_run3_dense.json" ;;
+    # issue 14: largest batch that fits and its tokens/s, dense at its best vs KVpop B = 2048 / 1024, 8k-128k
+    capacity)   python benchmarks/capacity.py --preset h200 --out "$out/capacity_h200.json" ${CAPACITY_ARGS:-} ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
