@@ -6,7 +6,7 @@ Slot layout per (row, KV head)::
     [sink, sink + window)      the protected window, a ring: token t >= sink lives in slot sink + (t - sink) % window
     [sink + window, B)         long-range slots: the best ``topk`` eligible tokens, min-priority replacement
 
-Slots fill in order (the first ``B`` tokens of a row take slots ``0 … B-1``) and a filled slot is only ever
+Slots fill up in order (after ``n < B`` tokens, slots ``0 … n-1`` hold them) and a filled slot is only ever
 replaced, so once a row has seen ``B`` tokens every slot holds one and attention needs no mask.
 
 **Decoding** one token at position ``p``: the token ``p - window`` leaves the ring (its slot is the one token ``p``

@@ -17,22 +17,30 @@ def _forward(model, cache, input_ids, start: int, end: int, attention_mask=None,
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, chunk: int | None = None,
             attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> KVpopCache:
-    """Bounded prefill (METHOD §5): the columns of ``input_ids`` the cache has not seen, ``chunk`` per call
+    """Bounded prefill (METHOD §5): the columns of ``input_ids`` the cache has not seen, at most ``chunk`` per call
     (default ``Runtime.prefill_chunk``), each compressed back into the ``B`` slots before the next; returns the
     cache. The cache's key/value memory peaks at every layer's ``B`` slots plus one layer's ``B + chunk``
     candidates (``cache.peak_kv_bytes``), whatever the prompt's length; for a static policy the result is the
     one-pass mask's for any chunk size, for a dynamic one see the chunk rule in :mod:`kvpop.cache`.
-    ``attention_mask`` / ``position_ids`` cover all of ``input_ids``' columns (left padding only).
+
+    Chunks are counted back from the last column (the first call takes the remainder), so that a left-padded row
+    is cut where it would be cut alone. ``attention_mask`` / ``position_ids`` cover all of ``input_ids``' columns
+    (left padding only).
     """
     cache = cache if cache is not None else KVpopCache(model)
     chunk = chunk if chunk is not None else model.kvpop_runtime.prefill_chunk
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"prefill chunk must be an integer >= 1 (columns per call), got {chunk!r}")
     keep = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", lambda: False)() else {}
-    for start in range(cache.get_seq_length(), input_ids.shape[1], chunk):
-        _forward(model, cache, input_ids, start, min(start + chunk, input_ids.shape[1]), attention_mask,
-                 position_ids, **keep)
+    bounds = chunk_bounds(cache.get_seq_length(), input_ids.shape[1], chunk)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        _forward(model, cache, input_ids, start, end, attention_mask, position_ids, **keep)
     return cache
+
+
+def chunk_bounds(done: int, size: int, chunk: int) -> list[int]:
+    """Where :func:`prefill` cuts columns ``done … size``: every ``chunk`` columns counted back from ``size``."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt columns per call), got {chunk!r}")
+    return [done] + list(range(done + (size - done) % chunk or done + chunk, size + 1, chunk))
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from transformers import AttentionInterface
 from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
-from kvpop.decode import prefill
+from kvpop.decode import chunk_bounds, prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
@@ -130,21 +130,19 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
 def _generate_with_kvpop_cache(self, inputs=None, *args, prefill_chunk: int | None = None, **kwargs):
     """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache), and a
     bounded prefill: a prompt longer than ``prefill_chunk`` columns (default ``Runtime.prefill_chunk``) goes through
-    the cache in chunks of that many (:func:`kvpop.decode.prefill`), the last of them in transformers' own first
-    forward. ``prefill_chunk=1`` prefills token by token, exactly as decoding."""
+    the cache in chunks of that many, counted back from its end (:func:`kvpop.decode.prefill`), the last of them in
+    transformers' own first forward. ``prefill_chunk=1`` prefills token by token, exactly as decoding."""
     if self.kvpop_runtime.policy.budget is None:
         return type(self).generate(self, inputs, *args, **kwargs)
     given = [kwargs.pop(name, None) for name in ("past_key_values", "cache")]
-    cache = next((c for c in given if c is not None), None) or KVpopCache(self)
-    kwargs[CACHE_KWARG] = cache
+    cache = next((c for c in given if c is not None), None)
+    cache = kwargs[CACHE_KWARG] = KVpopCache(self) if cache is None else cache
     ids = inputs if inputs is not None else kwargs.get("input_ids")
-    chunk = prefill_chunk if prefill_chunk is not None else self.kvpop_runtime.prefill_chunk
     if torch.is_tensor(ids) and ids.dim() == 2 and isinstance(cache, KVpopCache):
-        done = cache.get_seq_length()
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt columns per call), got {chunk!r}")
-        end = done + max(ids.shape[1] - done - 1, 0) // chunk * chunk  # all but the last chunk
-        if end > done:
+        chunk = prefill_chunk if prefill_chunk is not None else self.kvpop_runtime.prefill_chunk
+        bounds = chunk_bounds(cache.get_seq_length(), ids.shape[1], chunk)
+        if len(bounds) > 2:  # all but the last chunk here; transformers' first forward takes the last
+            end = bounds[-2]
             mask = kwargs.get("attention_mask")
             if mask is None:
                 mask = kwargs["attention_mask"] = torch.ones_like(ids)

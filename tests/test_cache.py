@@ -19,14 +19,18 @@ def left_padded(prompts, pad=0):
 
 
 @pytest.mark.parametrize("policy", ["kvpop", "streaming", "tova", "h2o"])
-def test_batch_with_left_padding_equals_each_row_alone(policy):
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
+def test_batch_with_left_padding_equals_each_row_alone(policy, prefill_chunk):
+    """Also with a prompt longer than the budget prefilled in chunks: chunks are counted back from the prompt's end,
+    so a padded row is cut where it is cut alone (what makes TOVA / H2O's chunk rule batch-independent)."""
     model = tiny_model("qwen3", "gqa")
     kvpop.retrofit(model, BUDGET, scorer="mlstm", policy=policy)
     prompts = [torch.randint(1, 97, (n,)) for n in (5, 23, 14)]
     ids, mask = left_padded(prompts)
-    batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
+    batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False,
+                           prefill_chunk=prefill_chunk)
     for i, prompt in enumerate(prompts):
-        alone = model.generate(input_ids=prompt[None], max_new_tokens=25, do_sample=False)
+        alone = model.generate(input_ids=prompt[None], max_new_tokens=25, do_sample=False, prefill_chunk=prefill_chunk)
         assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(prompt):]), f"row {i} differs"
 
 
