@@ -32,6 +32,8 @@ for part in $parts; do
     # issue 11: dense SmolLM2 accuracy per recall task x context (1k-8k) x depth: the cells the headline may use
     calibrate)  python -m jobs.calibrate --samples "${CALIBRATE_SAMPLES:-16}" --batch-size 16 && \
                 cp "$(ls -td "$KVPOP_HOME"/calibration/*/ | head -1)calibration.json" "$out/recall_calibration_h200.json" ;;
+    # issue 14: largest batch that fits and its tokens/s, dense at its best vs KVpop B = 2048 / 1024, 8k-128k
+    capacity)   python benchmarks/capacity.py --preset h200 --out "$out/capacity_h200.json" ${CAPACITY_ARGS:-} ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -12,8 +12,8 @@ opt-in: on an H200 at S = 16k its attention is half of causal, but the gather, i
 eat the gain (1.32× causal vs 1.41× for the masked pass) and the gathered keys cost ~1 GiB of activations per
 layer; at S = 4096 on SmolLM2 it halved the pipeline's training throughput (launch-bound index work).
 
-Decoding a single token over a fixed cache needs no mask at all beyond "slot is filled":
-:func:`slot_attention`.
+Decoding a single token over a fixed cache needs no mask at all beyond "slot is filled" (none once every slot is):
+:func:`slot_attention`. Dynamic policies score the cache from the attention itself: :func:`explicit_attention`.
 """
 from __future__ import annotations
 
@@ -353,20 +353,40 @@ def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, bud
 
 def slot_attention(query, keys, values, filled, *, scale: float, return_probs: bool = False):
     """One query per row over a fixed cache: ``query [B, Hq, 1, D]``, ``keys [B, Hkv, slots, D]``,
-    ``filled [B, Hkv, slots]``. Returns ``[B, 1, Hq, D]`` (and the attention probabilities ``[B, Hq, slots]``)."""
+    ``filled [B, Hkv, slots]`` (``None``: every slot is filled). Returns ``[B, 1, Hq, D]`` (and the attention
+    probabilities ``[B, Hq, slots]``).
+
+    Without probabilities this is SDPA with the query heads grouped onto their KV head (``enable_gqa``: the slots
+    are read once, never expanded per query head); without a mask, on CUDA, it runs as a flash decoding kernel.
+    """
     bsz, hq, _, dim = query.shape
     hkv = keys.shape[1]
     group = hq // hkv
-    if not return_probs:
-        mask = filled.repeat_interleave(group, dim=1)[:, :, None, :]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-        return out.transpose(1, 2), None
-    q = query.view(bsz, hkv, group, dim).float()
-    scores = torch.einsum("bgqd,bgsd->bgqs", q, keys.float()) * scale
-    scores = scores.masked_fill(~filled[:, :, None, :], float("-inf"))
-    probs = scores.softmax(-1)
-    out = torch.einsum("bgqs,bgsd->bgqd", probs, values.float()).to(query.dtype)
-    return out.reshape(bsz, hq, 1, dim).transpose(1, 2), probs.reshape(bsz, hq, -1)
+    if return_probs:
+        out, probs = explicit_attention(query, keys, values, None if filled is None else filled[:, :, None, :],
+                                        scale=scale)
+        return out, probs.reshape(bsz, hq, -1)
+    mask = None if filled is None else filled.repeat_interleave(group, dim=1)[:, :, None, :]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    return out.transpose(1, 2), None
+
+
+def explicit_attention(query, keys, values, mask, *, scale: float):
+    """Attention with its probabilities, in float32 at least (what dynamic policies score the cache with).
+
+    ``query [B, Hq, Q, D]``, ``keys/values [B, Hkv, N, D]``, ``mask [B, Hkv, Q, N]`` (``None``: all visible).
+    Returns ``(output [B, Q, Hq, D], probabilities [B, Hkv, group, Q, N])``; a query that sees nothing gets zeros.
+    """
+    bsz, hq, q_len, dim = query.shape
+    hkv = keys.shape[1]
+    work = torch.promote_types(query.dtype, torch.float32)
+    q = query.reshape(bsz, hkv, hq // hkv, q_len, dim).to(work)
+    scores = torch.einsum("bhgqd,bhnd->bhgqn", q, keys.to(work)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.nan_to_num(scores.softmax(-1))
+    out = torch.einsum("bhgqn,bhnd->bhgqd", probs, values.to(work)).to(query.dtype)
+    return out.reshape(bsz, hq, q_len, -1).transpose(1, 2), probs
 
 
 # -----------------------------------------------------------------------------

@@ -18,10 +18,18 @@ from __future__ import annotations
 import torch
 
 from kvpop.attention import retention_attention, slot_attention
-from kvpop.cache import LAYER_TYPES, KVpopLayer, _put, _scatter_slots
+from kvpop.cache import LAYER_TYPES, KVpopLayer, _put
 from kvpop.dms import NEVER, decision_logits, retained_counts
 from kvpop.policies.base import LayerView
 from kvpop.retention import retained
+
+
+def _scatter_slots(values: torch.Tensor, slot: torch.Tensor, slots: int, fill) -> torch.Tensor:
+    """Place candidates ``[B, H, N(, D)]`` into ``slots`` (+1 spare for the dropped) by ``slot [B, H, N]``."""
+    shape = (*values.shape[:2], slots + 1, *values.shape[3:])
+    out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
+    index = slot if values.dim() == 3 else slot[..., None].expand_as(values)
+    return out.scatter(2, index, values)[:, :, :slots]
 
 
 def _next_power_of_two(n: int) -> int:

@@ -25,6 +25,7 @@ from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.dms import DMSGate, attach_gates
 from kvpop.files import weights_digest
+from kvpop.decode import chunk_bounds, prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
@@ -49,7 +50,10 @@ class Runtime:
     oracle: torch.Tensor | None = None  # [layers, B, Hkv, S] teacher targets for the oracle policy
     collected: dict | None = None  # layer -> ranked priorities (with grad) of the last forward
     pending: dict = field(default_factory=dict)  # layer -> cache layer whose update awaits its attention call
-    compile_decode: bool = False  # torch.compile the per-layer decoding step (fuses ~100 small kernels per layer)
+    compile_decode: bool = False  # torch.compile each layer's decoding step (fuses ~100 small kernels per layer)
+    # generate() feeds a longer prompt in chunks of this many columns, each compressed into the B slots before the
+    # next (bounded prefill: K/V memory peaks at B + chunk per layer, not at the prompt's length)
+    prefill_chunk: int = 2048
 
 
 def _register() -> None:
@@ -127,12 +131,29 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
     return model
 
 
-def _generate_with_kvpop_cache(self, *args, **kwargs):
-    """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache)."""
-    if self.kvpop_runtime.policy.budget is not None and kwargs.get("past_key_values") is None \
-            and kwargs.get("cache") is None:
-        kwargs[CACHE_KWARG] = KVpopCache(self)
-    return type(self).generate(self, *args, **kwargs)
+def _generate_with_kvpop_cache(self, inputs=None, *args, prefill_chunk: int | None = None, **kwargs):
+    """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache), and a
+    bounded prefill: a prompt longer than ``prefill_chunk`` columns (default ``Runtime.prefill_chunk``) goes through
+    the cache in chunks of that many, counted back from its end (:func:`kvpop.decode.prefill`), the last of them in
+    transformers' own first forward. ``prefill_chunk=1`` prefills token by token, exactly as decoding."""
+    if self.kvpop_runtime.policy.budget is None:
+        return type(self).generate(self, inputs, *args, **kwargs)
+    given = [kwargs.pop(name, None) for name in ("past_key_values", "cache")]
+    cache = next((c for c in given if c is not None), None)
+    cache = kwargs[CACHE_KWARG] = KVpopCache(self) if cache is None else cache
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if torch.is_tensor(ids) and ids.dim() == 2 and isinstance(cache, KVpopCache):
+        chunk = prefill_chunk if prefill_chunk is not None else self.kvpop_runtime.prefill_chunk
+        bounds = chunk_bounds(cache.get_seq_length(), ids.shape[1], chunk)
+        if len(bounds) > 2:  # all but the last chunk here; transformers' first forward takes the last
+            end = bounds[-2]
+            mask = kwargs.get("attention_mask")
+            if mask is None:
+                mask = kwargs["attention_mask"] = torch.ones_like(ids)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate computes them
+            prefill(self, ids[:, :end], cache=cache, chunk=chunk, attention_mask=mask[:, :end],
+                    position_ids=positions[:, :end])
+    return type(self).generate(self, inputs, *args, **kwargs)
 
 
 
