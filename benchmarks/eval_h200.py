@@ -138,11 +138,11 @@ def main(argv=None) -> int:
 
     from pipelines import evaluate, precompute, train
     from pipelines.config import load_config
-    from pipelines.eval_parts import recall_tasks
+    from pipelines.recall import TASKS
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor() or 'x86'})"
-    tasks = args.tasks or list(recall_tasks.TASKS)
+    tasks = args.tasks or list(TASKS)
     seconds = {}
     cfg = load_config(args.config, overrides(args, tasks, args.contexts, args.depths))
     say(f"device {name}; config {args.config}; S = {cfg.data.seq_len}; {cfg.data.eval_sequences} held-out "

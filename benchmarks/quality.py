@@ -63,7 +63,7 @@ def run_variant(config: str | None, sets: list[str], variant: str, crs: list[flo
     t0 = time.perf_counter()
     result = evaluate.run(cfg)
     seconds["evaluate"] = time.perf_counter() - t0
-    return {"variant": variant, "budget": str(cfg.budget.budget()), "seq_len": cfg.data.seq_len,
+    return {"variant": variant, "budget": str(cfg.budget), "seq_len": cfg.data.seq_len,
             "train": {"run": trained.run_name, "final_metrics": trained.metrics,
                       "steps": cfg.train.steps, "batch_size": cfg.train.batch_size, "lr": cfg.train.lr,
                       "mode": cfg.train.mode, "scorer": cfg.train.scorer, "num_sequences": cfg.data.num_sequences},

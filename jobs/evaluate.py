@@ -12,5 +12,9 @@ def body(cfg):
           f"mlflow run: {result.run_id}")
 
 
+def cli(argv=None) -> int:
+    return main("evaluate", __doc__, body, argv, needs_ray=False)
+
+
 if __name__ == "__main__":
-    sys.exit(main("evaluate", __doc__, body))
+    sys.exit(cli())

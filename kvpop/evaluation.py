@@ -6,9 +6,9 @@ A :class:`Setting` is one policy at one budget (dense: no budget). How it runs i
 * **static** policies (streaming, random, oracle, kvpop): teacher forcing is one masked forward
   (``model(ids, use_cache=False)``), which the fixed cache reproduces exactly (METHOD §5);
 * **dynamic** policies (TOVA, H2O) re-score the cache from the attention they observe, so they run only through the
-  fixed cache: on CUDA the left padding and the first real column in one call, then one decoding step captured once
-  and replayed as a CUDA graph per column (:class:`kvpop.decode.GraphedDecoder`); elsewhere one call whose attention
-  layers step token by token inside (``teacher_forced_logits(prefill=S)``: the MLPs stay batched);
+  fixed cache, token by token as decoding: on CUDA the left padding and the first real column in one call, then one
+  decoding step captured once and replayed as a CUDA graph per column (:class:`kvpop.decode.GraphedDecoder`);
+  elsewhere one call whose attention layers step token by token inside (``teacher_forced_logits(prefill=S)``);
 * **dense** is the model's dense mode, or a separate ``reference`` model (the teacher of a distilled student).
 
 The **oracle** ranks tokens by the dense teacher's future-attention targets (METHOD §2) of the very tokens it is
@@ -18,10 +18,11 @@ from dense's (a table padded with ``-inf`` beyond: such tokens rank lowest).
 
 Batches of unequal prompts are **left-padded**: the fixed cache takes left padding in the first chunk, and positions
 count real tokens only (``cumsum(mask) - 1``, as ``generate`` does), so a padded row gives the same logits as the
-row alone. **Generation** (:func:`continue_prompts`) runs the prompt once; then the cache is repeated row by row
+row alone. **Generation** (:func:`continue_prompts`) takes the prompt as ``generate()`` does (the bounded prefill:
+a dynamic policy by the cache's chunk rule), once; then the cache is repeated row by row
 (``batch_repeat_interleave``) so that the greedy continuation and a given continuation to teacher-force (dense's
-own, a gold answer) advance in the same decoding steps. Greedy decoding runs a fixed number of steps (a graph has
-static shapes); the caller cuts each row after its first EOS.
+own, a gold answer) advance in the same decoding steps, graphed on CUDA. Greedy decoding runs a fixed number of
+steps (a graph has static shapes); the caller cuts each row after its first EOS.
 
 Item-level results, the per-item values evaluation bootstraps:
 
@@ -41,10 +42,11 @@ import torch
 
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
-from kvpop.decode import GraphedDecoder, teacher_forced_logits
+from kvpop.decode import GraphedDecoder, chunk_bounds, prefill, teacher_forced_logits
 from kvpop.metrics import first_divergence, per_sequence
 from kvpop.policies import POLICIES, build_policy
 from kvpop.retrofit import oracle_priorities, set_policy
+from kvpop.targets import teacher_pass
 
 
 @dataclass(frozen=True)
@@ -150,8 +152,6 @@ def _positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 def teacher_targets(model, ids: torch.Tensor, windows: Sequence[int]) -> dict[int, torch.Tensor]:
     """Oracle priorities ``{window: [layers, B, Hkv, S]}``: the dense teacher's future-attention targets of
     ``ids`` (unpadded rows), one pass for all windows. Works on a plain and on a retrofitted model."""
-    from kvpop.targets import teacher_pass
-
     return teacher_pass(model, ids, windows=sorted(set(windows)), top_k=1)["targets"]
 
 
@@ -184,22 +184,18 @@ def sequence_logits(model, setting: Setting, ids: Sequence[int] | torch.Tensor, 
     return forced_logits(model, setting, ids, targets=targets)[0]
 
 
-def _first_columns(ids: torch.Tensor, mask: torch.Tensor | None, stepped: bool) -> int:
-    """Columns of the first cache call: all of them, or — when a CUDA graph steps through the rest — only the left
-    padding and the first real token (padding must sit in the first call; a longer call of a dynamic policy would
-    step token by token in Python, slower than the graph)."""
-    if not stepped:
-        return ids.shape[1]
-    lead = 0 if mask is None else int((mask == 0).sum(-1).max())
-    return min(ids.shape[1], lead + 1)
+def _first_column(mask: torch.Tensor | None) -> int:
+    """Columns of the first call before the graph steps through the rest: the left padding (which must sit in the
+    first call) and one real token."""
+    return 1 if mask is None else int((mask == 0).sum(-1).max()) + 1
 
 
 def _graphed_forced(model, ids, mask, start):
-    """Dynamic teacher forcing on CUDA: one graphed decoding step per column after the first call; only the
-    logits from ``start`` on are kept (a ``[B, S - start, V]`` buffer)."""
-    size, first = ids.shape[1], _first_columns(ids, mask, True)
+    """Dynamic teacher forcing on CUDA: one graphed decoding step per column after the first call (token by token,
+    as decoding); only the logits from ``start`` on are kept (a ``[B, S - start, V]`` buffer)."""
+    size, first = ids.shape[1], _first_column(mask)
     positions = _positions(ids, mask)
-    cache = KVpopCache(model)
+    cache = KVpopCache(model, dynamic_chunks=False)
     head = model(input_ids=ids[:, :first], attention_mask=None if mask is None else mask[:, :first],
                  position_ids=positions[:, :first], use_cache=True, **{CACHE_KWARG: cache}).logits
     out = head.new_empty(ids.shape[0], size - start, head.shape[-1])
@@ -234,6 +230,10 @@ def continue_prompts(model, setting: Setting, prompts: Sequence[Sequence[int]], 
     the cache is repeated row by row (``batch_repeat_interleave``), even rows decode greedily, odd rows are fed the
     forced tokens (right-filled with ``pad_id`` past a row's end: they come after every counted column).
 
+    The prompt goes in as ``generate()`` takes it: the bounded prefill in chunks of ``Runtime.prefill_chunk``
+    (:func:`kvpop.decode.prefill`; a dynamic policy by the cache's chunk rule), the last chunk in the call that gives
+    the first token's logits; so a row gives the tokens ``generate()`` gives it, alone or in a padded batch.
+
     ``targets``: the oracle's, one ``[layers, Hkv, n_i]`` per prompt, indexed by token position (prompt, then
     continuation); positions past ``n_i`` get ``-inf``.
     """
@@ -247,17 +247,20 @@ def continue_prompts(model, setting: Setting, prompts: Sequence[Sequence[int]], 
     table = oracle_table(targets, width + steps).to(device) if setting.policy == "oracle" else None
     fixed = setting.budget is not None
     graphed = fixed and ids.is_cuda
-    first = _first_columns(ids, mask, graphed and setting.dynamic)
     with applied(model, setting), (oracle_priorities(model, table) if table is not None else contextlib.nullcontext()):
         cache = KVpopCache(model) if fixed else None
-        out = model(input_ids=ids[:, :first], attention_mask=mask[:, :first], position_ids=positions[:, :first],
-                    use_cache=True, logits_to_keep=1, **({CACHE_KWARG: cache} if fixed else {}))
+        end = 0
+        if fixed:  # all but the last prefill chunk through the bounded prefill, as generate() does
+            chunk = model.kvpop_runtime.prefill_chunk
+            end = chunk_bounds(0, width, chunk)[-2]
+            if end:
+                prefill(model, ids[:, :end], cache=cache, chunk=chunk, attention_mask=mask[:, :end],
+                        position_ids=positions[:, :end])
+        out = model(input_ids=ids[:, end:], attention_mask=mask, position_ids=positions[:, end:], use_cache=True,
+                    logits_to_keep=1, **({CACHE_KWARG: cache} if fixed else {}))
         cache = cache if fixed else getattr(out, CACHE_KWARG)
         last = out.logits[:, -1]
         decoder = GraphedDecoder(model, cache) if graphed else None
-        if first < width:  # the rest of the prompt, one graphed step per column (a dynamic policy on CUDA)
-            for column in range(first, width):
-                last = decoder(ids[:, column:column + 1], positions[:, column:column + 1])[:, 0]
         branches = 2 if forced is not None else 1
         if branches == 2:  # even rows: greedy; odd rows: the forced tokens
             cache.batch_repeat_interleave(2)

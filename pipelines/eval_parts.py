@@ -10,8 +10,8 @@
 
 Each record gets ``part``, the item's string id, and its generated text (decoded; the token ids are dropped). The
 inputs come from here too: the held-out sequences, the training documents, the checkpoint's model and tokenizer. The
-recall interface (``TaskSpec``, ``generate_samples``, ``score_text``, ``gold_logprob_and_rank``) is imported here
-and nowhere else in the stage.
+recall tasks (:mod:`pipelines.recall`: ``TaskSpec``, ``generate_samples``, ``score_text``,
+``gold_logprob_and_rank``) are used here and nowhere else in the stage.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 import kvpop
 from kvpop import evaluation as runner
 from kvpop.pretrained import load_pretrained
-from pipelines import legacy_tasks as recall_tasks
+from pipelines import recall
 from pipelines import problems as long_prompts
 from pipelines.config import PipelineConfig
 from pipelines.data import load_sequences
@@ -64,9 +64,9 @@ def recall_samples(cfg: PipelineConfig, tokenizer, max_context: int | None) -> l
     """Every cell's samples: tasks × contexts × depths, ``eval.task_samples`` each, seeded by ``data.seed``."""
     if not cfg.eval.task_samples:
         return []
-    specs = [recall_tasks.TaskSpec(t, c, d, cfg.eval.task_samples, cfg.data.seed) for t in cfg.eval.tasks
+    specs = [recall.TaskSpec(t, c, d, cfg.eval.task_samples, cfg.data.seed) for t in cfg.eval.tasks
              for c in cfg.eval.task_contexts for d in cfg.eval.task_depths]
-    return [s for spec in specs for s in recall_tasks.generate_samples(spec, tokenizer, max_context=max_context)]
+    return [s for spec in specs for s in recall.generate_samples(spec, tokenizer, max_context=max_context)]
 
 
 def describe(cfg: PipelineConfig, p: dict) -> str:
@@ -122,7 +122,7 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
         found = timed("recall", len(samples) * others, lambda tick: runner.generation_items(
             model, [s.prompt_ids for s in samples], runs, max_new_tokens=ev.max_new_tokens,
             forced=[s.answer_ids for s in samples], progress=tick, **generation,
-            score=lambda logits, i: recall_tasks.gold_logprob_and_rank(  # the rows that predict the answer
+            score=lambda logits, i: recall.gold_logprob_and_rank(  # the rows that predict the answer
                 logits, samples[i], start=len(samples[i].prompt_ids) - 1)))
         records += recall_records(found, samples, tok, ev.task_min_dense)
     if inputs["problems"]:
@@ -138,7 +138,7 @@ def recall_records(found: list[dict], samples: list, tokenizer, min_dense: float
     for r in found:
         sample, text = samples[r.pop("item")], tokenizer.decode(r.pop("tokens"), skip_special_tokens=True)
         out.append({"part": "recall", **r, "item": sample.id, "task": sample.task, "context": sample.context,
-                    "depth": sample.depth, "exact": float(recall_tasks.score_text(sample, text)), "text": text})
+                    "depth": sample.depth, "exact": float(recall.score_text(sample, text)), "text": text})
     cells: dict[tuple, list[float]] = {}
     for r in out:
         if r["policy"] == "dense":

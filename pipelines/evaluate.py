@@ -13,7 +13,8 @@ the budgets), runs them through :mod:`kvpop.evaluation`, bootstraps the per-item
 ``<key>`` hashes the model's identity (a digest of every file of the checkpoint folder), the held-out token ids, the
 policies, the budgets, the recall samples' token ids and the generation prompts and length. A re-run with the same
 inputs finds ``complete.json``, prints the report and reuses the MLflow run ``evaluate-<key>`` (one run per key: a
-run left unfinished by a crash is resumed, not duplicated). Budgets: ``eval.budgets`` totals and
+run left unfinished by a crash is resumed, not duplicated). The stage's hand-over record (:mod:`pipelines.records`,
+``evaluate``: the directory and the MLflow run id) is written last. Budgets: ``eval.budgets`` totals and
 ``eval.compression_ratios`` (CR = 1 - B / S) with the training budget's sink and window, topk swept; a CR whose B is
 below sink + window is reported as unreachable. Free generation: the oracle gets the prompt's own targets only.
 """
@@ -27,11 +28,13 @@ from pathlib import Path
 import torch
 
 from kvpop import Budget
-from pipelines import eval_parts, report
+from kvpop.files import atomic_write_text
+from pipelines import eval_parts, records, report, tracking
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
 from pipelines.data import load_tokenizer
-from pipelines.identity import atomic_write_text, folder_digest
+from pipelines.identity import folder_digest
+from pipelines.train import model_dir
 
 FORMAT_VERSION = 1
 
@@ -50,9 +53,7 @@ def trained_model_path(cfg: PipelineConfig) -> Path:
     """``eval.checkpoint``, or the train stage's final model for this config."""
     if cfg.eval.checkpoint:
         path = Path(cfg.eval.checkpoint).expanduser().resolve()
-    else:
-        from pipelines.train import model_dir
-
+    else:  # the train stage's committed record: no tokenizer, no weight hashing
         path = model_dir(cfg)
     if not (path / "kvpop.json").is_file():
         raise ConfigError(f"no trained retrofitted model at {path}: run the train stage first, or set "
@@ -95,7 +96,7 @@ def plan(cfg: PipelineConfig) -> dict:
         raise ConfigError("no held-out sequences: set data.eval_sequences >= 1")
     seq_len = len(sequences[0]["input_ids"])
     kv = json.loads((path / "kvpop.json").read_text())
-    base = Budget(**kv["budget"]) if kv.get("budget") else cfg.budget.budget()
+    base = Budget(**kv["budget"]) if kv.get("budget") else cfg.budget
     budgets, unreachable = resolve_budgets(base, seq_len, cfg.eval.budgets, cfg.eval.compression_ratios)
     context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
     try:
@@ -134,19 +135,20 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
         run_id = _log(cfg, out, p, summary, done.get("run_id"))
         if run_id != done.get("run_id"):
             atomic_write_text(marker, json.dumps({**done, "run_id": run_id}, indent=1))
+        records.commit(cfg, "evaluate", {"output_dir": str(out), "mlflow_run_id": run_id})
         return EvalResult(out, summary, text, run_id, done["seconds"], True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # one process, one device
     model, reference = eval_parts.load_models(cfg, p["path"], device)
-    records, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress)
+    items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress)
     budgets = [{"B": b.total, "CR": 1 - b.total / p["seq_len"], "budget": str(b)} for b in p["budgets"]]
-    summary = report.summarize(records, budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)
-    labels = {(r["policy"], r["B"]): r["budget"] for r in records if r["part"] == "text"}
+    summary = report.summarize(items, budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)
+    labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text"}
     text = eval_parts.describe(cfg, p) + "\n" + report.format_report(summary, budgets, labels=labels,
                                                          unreachable=p["identity"]["unreachable"])
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.json", json.dumps({**p["identity"], "config": cfg.to_dict()}, indent=1))
-    atomic_write_text(out / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    atomic_write_text(out / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in items))
     atomic_write_text(out / "metrics.json", json.dumps({
         "budgets": budgets, "unreachable": p["identity"]["unreachable"], "summary": summary,
         "labels": [{"policy": k[0], "B": k[1], "budget": v} for k, v in labels.items()]}, indent=1))
@@ -155,6 +157,7 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     seconds["total"] = time.perf_counter() - t0
     run_id = _log(cfg, out, p, summary, None, seconds)
     atomic_write_text(marker, json.dumps({"key": p["key"], "run_id": run_id, "seconds": seconds}, indent=1))
+    records.commit(cfg, "evaluate", {"output_dir": str(out), "mlflow_run_id": run_id})  # the hand-over, last
     return EvalResult(out, summary, text, run_id, seconds, False)
 
 
@@ -163,8 +166,6 @@ def _log(cfg: PipelineConfig, out: Path, p: dict, summary: dict, run_id: str | N
     import mlflow
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.data.sources import LocalArtifactDatasetSource
-
-    from pipelines import tracking
 
     name = f"evaluate-{p['key']}"
     run_id = run_id or tracking.find_run(cfg, name, "evaluate")

@@ -20,6 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import champ_dataset
+
 INSTRUCTION = "Solve the following problem. Put the final answer in \\boxed{}.\n\n"
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
@@ -52,8 +54,6 @@ def load_problems(count: int, *, training_docs=(), seed: int = 0) -> list[Proble
 def _champ_problems() -> tuple[tuple[str, str, str], ...]:
     """``(id, text, answer)`` of every champ problem, sorted by id; read from the file ``champ_dataset.load("v0")``
     reads, without parsing the 19k solution transcripts (what makes ``load`` take seconds)."""
-    import champ_dataset
-
     raw = json.loads((Path(champ_dataset.BASE_FOLDER) / "dataset_files" / "v0.json").read_text())["problems"]
     problems = {pid: champ_dataset.Problem.from_dict({**entry, "conversations": None}) for pid, entry in raw.items()}
     return tuple((pid, p.text, str(p.answer)) for pid, p in sorted(problems.items()))

@@ -25,6 +25,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 from pipelines import stats
 
 HEURISTICS = ("streaming", "tova", "h2o")
@@ -373,7 +375,6 @@ def plot_recall_maps(summary: dict, total: int):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     cells = [c for c in summary["cells"] if c["B"] in (total, None)]
     if not cells:

@@ -48,8 +48,8 @@ def setup(tokenizer, tmp_path, monkeypatch):
         "home": str(tmp_path / "home"), "budget": {"sink": 2, "window": 8, "topk": 14},
         "precompute": {"windows": [8]}, "data": {"seq_len": SEQ}, "tracking": {"experiment": "tests"},
         "eval": {"checkpoint": str(checkpoint), "budgets": [24], "compression_ratios": [0.75, 0.875],
-                 "policies": ["dense", "streaming", "tova", "oracle", "kvpop"], "tasks": ["kv_retrieval"],
-                 "task_contexts": [64], "task_depths": [0.1, 0.5], "task_samples": 2, "task_min_dense": 0.0,
+                 "policies": ["dense", "streaming", "tova", "oracle", "kvpop"], "tasks": ["niah_single"],
+                 "task_contexts": [128], "task_depths": [0.1, 0.5], "task_samples": 2, "task_min_dense": 0.0,
                  "max_new_tokens": 3, "generation_prompts": 2, "generation_tokens": 5, "batch_size": 2,
                  "generation_batch_size": 3, "resamples": 200}})
     return cfg, checkpoint
@@ -75,7 +75,7 @@ def test_run_writes_a_complete_directory_logs_it_once_and_reuses_it(setup, monke
     assert len(by_part["text"]) == 5 * 5 * 2  # sequences × policies × budgets (dense once per budget)
     assert len(by_part["recall"]) == 4 * (1 + 4 * 2) and len(by_part["generation"]) == 2 * (1 + 4 * 2)
     assert all(isinstance(r["text"], str) and "tokens" not in r for r in by_part["recall"] + by_part["generation"])
-    assert {r["item"] for r in by_part["recall"]} == {f"kv_retrieval-c64-d{d}-{i}" for d in (0.1, 0.5) for i in (0, 1)}
+    assert {r["item"] for r in by_part["recall"]} == {f"niah_single/c128/d{d}/s0/{i}" for d in (0.1, 0.5) for i in (0, 1)}
     summary = json.loads((out / "metrics.json").read_text())["summary"]
     names = {(m["policy"], m["B"], m["metric"]) for m in summary["metrics"]}
     for metric in ("top1_agreement", "kl", "recall_exact", "recall_gold_logprob", "gen_divergence", "gen_kl"):
@@ -137,11 +137,11 @@ def test_an_interrupted_result_resumes_its_run_and_other_inputs_get_another_dire
 def test_bad_eval_inputs_are_clear_errors(setup):
     cfg, checkpoint = setup
     too_long = config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "task_contexts": [4096]}})
-    with pytest.raises(ConfigError, match="does not fit the model's context of 1024"):
+    with pytest.raises(ConfigError, match="longer than the model's context of 1024"):
         E.plan(too_long)  # before any model is loaded or anything written
     assert not (cfg.home_dir() / "eval").exists()
     for key, value, message in (("task_depths", [1.5], "must all be in \\[0, 1\\]"),
-                                ("tasks", ["sorting"], "unknown task 'sorting'"),
+                                ("tasks", ["sorting"], "unknown task 'sorting'; known: niah_single"),
                                 ("task_contexts", [10], ">= 64 tokens")):
         with pytest.raises(ConfigError, match=message):
             config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], key: value}})

@@ -10,6 +10,7 @@ import torch
 import kvpop
 from kvpop import Budget
 from kvpop import evaluation as EV
+from kvpop.cache import CACHE_KWARG
 from tests.models import tiny_model
 
 BUDGET = Budget(2, 4, 6)
@@ -102,6 +103,21 @@ def test_teacher_forced_items():
         assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-6, r["policy"]
 
 
+@torch.no_grad()
+def after_prompt(model, name, prompt, continuation, table=None):
+    """Reference for a continuation teacher-forced after a prompt, one row, in plain steps: the prompt in one cache
+    call (as generate() takes a short prompt), then one call per token. ``[len(continuation), V]``."""
+    if name == "dense":
+        return EV.sequence_logits(model, EV.Setting("dense"), prompt + continuation)[len(prompt) - 1:-1]
+    with EV.applied(model, setting(name)), (kvpop.oracle_priorities(model, table) if table is not None
+                                            else contextlib.nullcontext()):
+        cache = kvpop.KVpopCache(model)
+        out = [model(torch.tensor([prompt]), use_cache=True, **{CACHE_KWARG: cache}).logits[0, -1]]
+        for token in continuation[:-1]:
+            out.append(model(torch.tensor([[token]]), use_cache=True, **{CACHE_KWARG: cache}).logits[0, -1])
+    return torch.stack(out)
+
+
 def test_generation_items_dense_continuation_and_gold_scoring():
     model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
     rows = prompts((12, 17))
@@ -113,16 +129,16 @@ def test_generation_items_dense_continuation_and_gold_scoring():
     for r in records:
         assert 0 <= r["divergence"] <= len(r["tokens"]) == 8
         assert r["divergence"] == next(i for i in range(9) if i == 8 or r["tokens"][i] != dense[r["item"]]["tokens"][i])
-    # KL on dense's continuation: the same as teacher-forcing prompt + continuation one row at a time (the oracle
+    # KL on dense's continuation: the same as teacher-forcing it after the prompt one row at a time (the oracle
     # with the targets of exactly those tokens)
     for r in records:
         if r["policy"] == "dense":
             continue
-        row = rows[r["item"]] + dense[r["item"]]["tokens"]
-        pol = EV.sequence_logits(model, setting(r["policy"]), row)
-        den = EV.sequence_logits(model, EV.Setting("dense"), row)
-        n = len(rows[r["item"]])
-        want = kvpop.metrics.per_sequence(pol[n - 1:-1], den[n - 1:-1])[0]
+        prompt, continuation = rows[r["item"]], dense[r["item"]]["tokens"]
+        table = EV.oracle_table(targets_of(model, [prompt + continuation]), 20) if r["policy"] == "oracle" else None
+        pol = after_prompt(model, r["policy"], prompt, continuation, table)
+        den = after_prompt(model, "dense", prompt, continuation)
+        want = kvpop.metrics.per_sequence(pol, den)[0]
         assert r["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-6), r["policy"]
         assert r["top1_agreement"] == pytest.approx(want["top1_agreement"])
     # gold continuations of unequal length, scored on the policy's logits that predict them
@@ -139,12 +155,12 @@ def test_generation_items_dense_continuation_and_gold_scoring():
     assert sorted(set(seen)) == [(0, 3), (1, 1)]
     dense_answers = {r["item"]: r["tokens"] for r in scored if r["policy"] == "dense"}
     for r in scored:
-        full = rows[r["item"]] + gold[r["item"]]
-        known = rows[r["item"]] + dense_answers[r["item"]]  # the oracle's targets: prompt + dense's continuation
-        table = EV.oracle_table(targets_of(model, [known]), len(full)) if r["policy"] == "oracle" else None
-        logits = EV.sequence_logits(model, setting(r["policy"]), full, targets=table)
-        want = torch.log_softmax(logits, -1)[torch.arange(len(full) - 1), torch.tensor(full[1:])]
-        assert r["gold_logprob"] == pytest.approx(float(want[len(rows[r["item"]]) - 1:].sum()), rel=1e-4)
+        prompt, answer = rows[r["item"]], gold[r["item"]]
+        known = prompt + dense_answers[r["item"]]  # the oracle's targets: prompt + dense's continuation
+        table = EV.oracle_table(targets_of(model, [known]), 20) if r["policy"] == "oracle" else None
+        logits = after_prompt(model, r["policy"], prompt, answer, table)
+        want = torch.log_softmax(logits, -1)[torch.arange(len(answer)), torch.tensor(answer)].sum()
+        assert r["gold_logprob"] == pytest.approx(float(want), rel=1e-4)
 
 
 def test_settings_and_errors(model):
