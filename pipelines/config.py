@@ -216,12 +216,12 @@ class EvalConfig:
     #                                     is below sink + window is reported as unreachable. Neither set: training B
     tasks: tuple[str, ...] = ("niah_single", "niah_multikey_2", "variable_tracking_1")  # pipelines/recall
     task_contexts: tuple[int, ...] = (384,)  # prompt lengths in tokens
-    task_depths: tuple[float, ...] = (0.1,)  # where the facts sit, as a fraction of the context
+    task_depths: tuple[float, ...] = (0.5,)  # where the needle sits, as a fraction of the filler
     task_samples: int = 4  # per (task, context, depth) cell; 0 = no recall tasks
     task_min_dense: float = 0.9  # headline recall metrics: only cells where dense exact match >= this
     max_new_tokens: int = 12  # greedy tokens per recall answer
     generation_prompts: int = 4  # held-out champ problems for long free generation; 0 = none
-    generation_tokens: int = 32  # greedy tokens per long generation
+    generation_tokens: int = 64  # greedy tokens per long generation
     resamples: int = 4000  # bootstrap resamples (fixed seed); exact enumeration when fewer distinct ones exist
     checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
     batch_size: int = 4  # held-out sequences per teacher-forced forward
