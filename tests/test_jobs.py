@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.config import REPO_ROOT
+from tests.pipeline_helpers import tiny_overrides
 
 pytestmark = pytest.mark.pretrained  # the tiny teacher uses SmolLM2's tokenizer
 
@@ -191,20 +192,18 @@ def _probe_s(message: str) -> str:
 
 # --------------------------------------------------------------------------------------------- Ctrl-C
 def test_ctrl_c_in_a_stage_is_one_line_exit_130(tiny_setup, tmp_path):
-    """SIGINT while ``python -m jobs.pipeline`` waits inside its first stage (on a data source that never delivers: a
-    FIFO with no writer) ends it with one stderr line and exit code 130, no traceback."""
-    fifo = tmp_path / "docs.jsonl"
-    os.mkfifo(fifo)
+    """SIGINT while ``python -m jobs.pipeline`` is inside its first stage (starting Ray and reading the corpus take
+    seconds on two cores) ends it with one stderr line and exit code 130, no traceback."""
     env = {**os.environ, "KVPOP_HOME": str(tmp_path / "home")}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "jobs.pipeline", "--set", f"model.path={tiny_setup / 'teacher'}",
-                             "--set", f"data.source={fifo}"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    overrides = [item for override in tiny_overrides(tiny_setup, tmp_path / "home") for item in ("--set", override)]
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.pipeline", *overrides], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in proc.stdout:  # the stage has begun
             if line.startswith("[kvpop] 1/3 precompute"):
                 break
-        time.sleep(2)
+        time.sleep(1)
         assert proc.poll() is None, proc.stderr.read()
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)

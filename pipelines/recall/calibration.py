@@ -10,9 +10,17 @@ loses; the others are reported, not used for the headline. Generation is passed 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+import torch
+from transformers import AutoTokenizer
+
+import kvpop
+from kvpop.pretrained import load_pretrained
+from pipelines.config import fingerprint
+from pipelines.identity import atomic_write_text, teacher_identity, tokenizer_digest
 from pipelines.recall.scoring import gold_logprob_and_rank, score_text
 from pipelines.recall.spec import TaskSpec, generate_samples
 
@@ -30,7 +38,6 @@ def grid(tasks: Iterable[str], contexts: Iterable[int] = CONTEXTS, depths: Itera
 
 def greedy_generate_fn(tokenizer, max_new_tokens: int = 16, batch_size: int = 1) -> Callable:
     """``generate_fn(model, prompts) -> texts``: greedy ``model.generate`` over left-padded batches."""
-    import torch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     fill = pad if pad is not None else 0
@@ -54,7 +61,6 @@ def greedy_generate_fn(tokenizer, max_new_tokens: int = 16, batch_size: int = 1)
 def teacher_forced(model, samples: Sequence, batch_size: int = 1) -> list[dict]:
     """:func:`gold_logprob_and_rank` of each sample under ``model`` (right-padded batches; only the rows that
     predict answer tokens are projected to the vocabulary)."""
-    import torch
 
     device = next(model.parameters()).device
     out = []
@@ -75,7 +81,6 @@ def _dense(model):
     if runtime is None:
         yield
         return
-    import kvpop
 
     previous = runtime.policy
     kvpop.set_policy(model, "dense")
@@ -92,7 +97,6 @@ def calibrate(model, tokenizer, specs: Sequence[TaskSpec], *, generate_fn: Calla
     ``usable`` (``exact >= threshold``), and with ``gold`` the teacher-forced rate of first gold tokens at rank 1
     (``first_token_hit``), of whole answers at rank 1 (``all_top1``) and the mean summed gold log-probability
     (``batch_size`` sequences per forward). ``items`` holds each sample's id, continuation and scores."""
-    import torch
 
     max_context = getattr(model.config, "max_position_embeddings", None)
     for spec in specs:
@@ -142,14 +146,8 @@ def run(cfg, specs: Sequence[TaskSpec], *, max_new_tokens: int = 12, batch_size:
         progress: Callable[[str], None] | None = None) -> tuple[list[dict], Path, bool]:
     """Calibrate ``cfg.model`` (dense, greedy) on ``specs`` unless that was done before: ``(rows, directory,
     reused)``."""
-    import json
 
-    import torch
-    from transformers import AutoTokenizer
 
-    from kvpop.pretrained import load_pretrained
-    from pipelines.config import fingerprint
-    from pipelines.identity import atomic_write_text, teacher_identity, tokenizer_digest
 
     path = cfg.model.resolved_path()
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)

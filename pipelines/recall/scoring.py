@@ -3,6 +3,8 @@ log-probability and rank (robust for small models that ramble after, or around, 
 """
 from __future__ import annotations
 
+import torch
+
 from pipelines.recall.base import RecallSample
 
 
@@ -25,7 +27,6 @@ def gold_logprob_and_rank(logits, sample: RecallSample, *, start: int = 0) -> di
     strictly larger logit: a tie with the top counts as rank 1), ``first_rank``, ``first_token_hit`` (first token at
     rank 1) and ``all_top1`` (every token at rank 1: greedy decoding would produce the answer's tokens, ties aside).
     """
-    import torch
 
     if logits.dim() == 3:
         if logits.shape[0] != 1:
