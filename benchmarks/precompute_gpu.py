@@ -75,10 +75,10 @@ def timed(fn, device: torch.device, repeats: int, warmup: int = 1) -> tuple[floa
 
 def stdlib_sequences(tokenizer, seq_len: int, count: int) -> torch.Tensor:
     """``[count, seq_len]`` token ids cut from the standard library's sources (deterministic)."""
-    from pipelines.data import _stdlib_documents
+    from pipelines.data import stdlib_documents
 
     ids: list[int] = []
-    for _, text in _stdlib_documents():
+    for _, text in stdlib_documents():
         ids.extend(tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
         ids.append(tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0)
         if len(ids) >= seq_len * count:
@@ -112,9 +112,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args(argv)
 
-    from kvpop.pretrained import load_pretrained, smollm2_dir
+    from kvpop.pretrained import load_pretrained
     from kvpop.targets import causal_attention_with_lse, future_attention_targets, teacher_pass
-    from pipelines.precompute import compute_rows, shard_table, write_shard
+    from pipelines.models import smollm2_dir
+    from pipelines.precompute import compute_rows
+    from pipelines.store import shard_table, write_shard
 
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     dtype = getattr(torch, args.dtype)

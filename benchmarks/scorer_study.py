@@ -12,7 +12,7 @@ Features a scorer cannot see today (the attention a token received while in the 
 Held-out metrics come from :func:`kvpop.diagnostics.diagnose` against the plain (λ = 0) teacher — the METHOD §1
 oracle — at the training budget and the evaluation budgets, per layer, KV head and sequence. Every comparison with
 its reference is a paired bootstrap over held-out sequences (95 % interval of the mean difference:
-``benchmarks/bootstrap.py``, until the project's ``pipelines/stats.py`` lands).
+``pipelines/stats.py`` through ``benchmarks/bootstrap.py``).
 
     python benchmarks/scorer_study.py prepare                   # the cache (~10 min on one core at S = 512)
     python benchmarks/scorer_study.py run baseline norms …      # one JSON per variant (skipped when present)

@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
-# A local Ray head and an MLflow server on loopback, started and stopped by PID.
+# A local Ray head (token authentication on) and an MLflow server on loopback, started and stopped by PID.
 #
-#   infra/local.sh start    # Ray head (dashboard/jobs API on 127.0.0.1:8265) + `mlflow server` on 127.0.0.1:5000
+#   infra/local.sh start    # Ray head (dashboard/jobs API on 127.0.0.1:8265) + `mlflow server` on 127.0.0.1:5001
 #   infra/local.sh status
 #   infra/local.sh stop
 #
-# Then: ray job submit --address http://127.0.0.1:8265 --working-dir . --runtime-env infra/runtime_env.yaml \
-#         -- python -m jobs.pipeline
-# (a plain `python -m jobs.<stage>` on this machine joins the running head too: pipelines/cluster.py).
+# Then, from the repository root (clients pass the token: RAY_AUTH_MODE=token, and the token from ~/.ray/auth_token):
+#   RAY_AUTH_MODE=token .venv/bin/ray job submit --address http://127.0.0.1:8265 --working-dir . \
+#     --runtime-env infra/runtime_env.yaml -- python -m jobs.pipeline
+# (a plain `.venv/bin/python -m jobs.<stage>` on this machine joins the running head too: pipelines/cluster.py).
+#
+# Security. Ray's token authentication stays on (RAY_AUTH_MODE=token): the dashboard, the jobs API, the dashboard
+# agent's job endpoint and every gRPC service (GCS, raylet, object manager, workers, Ray Client) refuse a request
+# without the token — with auth off, a POST to the agent's job endpoint on the host's address ran any shell command.
+# Ray binds the dashboard to 127.0.0.1 (--dashboard-host) but its node services to the host's address (it replaces
+# a loopback node IP by that address), so the token, not the bind address, is what guards them; the Prometheus
+# metrics endpoints, which need no token, are turned off (below). The token is Ray's own:
+# $RAY_AUTH_TOKEN, else the file $RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token (which a local `ray.init()` also uses),
+# generated here (mode 600) when missing. MLflow listens on 127.0.0.1 only.
 #
 # The head runs as `ray start --head --block` in its own session; `stop` sends SIGTERM to that one PID, which drains
 # and stops the processes it started — never `ray stop`, which would stop every Ray instance of this user on the
@@ -17,12 +27,9 @@
 # Environment: KVPOP_HOME (default <repo>/.kvpop; exported to the head, so every submitted job finds the same models,
 # shards, runs and MLflow store), RAY_NUM_CPUS (default 4: logical CPUs, oversubscribed on purpose — NOTES.md: a Ray
 # Train worker group fed by Ray Data deadlocks when it holds every CPU), ports: RAY_PORT (GCS, 6379),
-# RAY_DASHBOARD_PORT (jobs API, 8265), RAY_CLIENT_PORT (10001), RAY_DASHBOARD_AGENT_PORT (52365), MLFLOW_PORT (5000);
-# PYTHON (default <repo>/.venv/bin/python). Waits up to START_TIMEOUT seconds (90) for both to answer.
-#
-# Token auth is off (RAY_AUTH_MODE=disabled, so that `ray job submit` needs no token) and the dashboard, jobs API and
-# MLflow listen on 127.0.0.1 only; Ray's GCS (RAY_PORT) has no bind option and listens on every interface: run this on
-# a trusted network or firewall that port.
+# RAY_DASHBOARD_PORT (jobs API, 8265), RAY_CLIENT_PORT (10001), RAY_DASHBOARD_AGENT_PORT (52365), MLFLOW_PORT (5001;
+# `mlflow ui` keeps its default 5000); PYTHON (default <repo>/.venv/bin/python). Waits up to START_TIMEOUT seconds
+# (90) for both to answer.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 root=$PWD
@@ -34,29 +41,52 @@ gcs_port=${RAY_PORT:-6379}
 dash_port=${RAY_DASHBOARD_PORT:-8265}
 client_port=${RAY_CLIENT_PORT:-10001}
 agent_port=${RAY_DASHBOARD_AGENT_PORT:-52365}
-mlflow_port=${MLFLOW_PORT:-5000}
+mlflow_port=${MLFLOW_PORT:-5001}
 timeout=${START_TIMEOUT:-90}
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0
+# Prometheus endpoints need no token and listen on every interface: the agents' exporter has a switch; the dashboard's
+# and the autoscaler's have none, and an impossible port makes their start fail (logged once), leaving nothing there.
+export RAY_enable_metrics_collection=0 DASHBOARD_METRIC_PORT=-1 AUTOSCALER_METRIC_PORT=-1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1  # pipelines/offline.py
 # no Serve here: the head stops at once on SIGTERM instead of draining the node for 30 s
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-0}
 export PATH="$bin:$PATH"  # a job's entrypoint `python -m jobs.…` must find this interpreter, not the system one
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+answers='import sys, urllib.error, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1], timeout=2)
+except urllib.error.HTTPError:
+    pass  # an HTTP status (401 without the token) is an answer'
 wait_http() {  # wait_http URL PIDFILE NAME: until URL answers, the process dies, or the timeout
   local deadline=$((SECONDS + timeout))
-  until "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" 2>/dev/null; do
+  until "$py" -c "$answers" "$1" 2>/dev/null; do
     if ! alive "$2"; then echo "$3 exited during start-up (log: ${2%.pid}.log)" >&2; return 1; fi
     if [ $SECONDS -ge $deadline ]; then echo "$3 did not answer on $1 within ${timeout}s (log: ${2%.pid}.log)" >&2; return 1; fi
     sleep 1
   done
 }
 
+token_from=  # where the head's token comes from, for the start message
+ensure_token() {  # the token Ray reads (see the header); a missing default or RAY_AUTH_TOKEN_PATH file is generated
+  if [ -n "${RAY_AUTH_TOKEN:-}" ]; then token_from='$RAY_AUTH_TOKEN'; return 0; fi
+  local file=${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}
+  if [ ! -s "$file" ]; then
+    (umask 077 && mkdir -p "$(dirname "$file")" &&
+      "$py" -c "import secrets; print(secrets.token_hex(32), end='')" >"$file")
+    echo "generated a Ray auth token in $file"
+  fi
+  chmod 600 "$file"
+  token_from=$file
+}
+
 start() {
   mkdir -p "$run"
+  ensure_token
   if alive "$run/ray.pid"; then echo "ray head already running (pid $(cat "$run/ray.pid"))"; else
     # the head in the foreground (--block) of its own session (setsid): its PID owns every process it starts
-    setsid "$bin/ray" start --head --block --node-ip-address=127.0.0.1 --port="$gcs_port" \
+    setsid "$bin/ray" start --head --block --port="$gcs_port" \
       --dashboard-host=127.0.0.1 --dashboard-port="$dash_port" --ray-client-server-port="$client_port" \
       --dashboard-agent-listen-port="$agent_port" --num-cpus="${RAY_NUM_CPUS:-4}" --disable-usage-stats \
       >"$run/ray.log" 2>&1 </dev/null &
@@ -72,7 +102,8 @@ start() {
     echo $! >"$run/mlflow.pid"
   fi
   wait_http "http://127.0.0.1:$dash_port/api/version" "$run/ray.pid" "ray head" || { stop; exit 1; }
-  echo "ray head: http://127.0.0.1:$dash_port (GCS 127.0.0.1:$gcs_port, pid $(cat "$run/ray.pid"), log $run/ray.log)"
+  echo "ray head: http://127.0.0.1:$dash_port (GCS port $gcs_port, pid $(cat "$run/ray.pid"), log $run/ray.log)"
+  echo "  token auth on: clients set RAY_AUTH_MODE=token and read the token from $token_from"
   wait_http "http://127.0.0.1:$mlflow_port/health" "$run/mlflow.pid" "mlflow" || { stop; exit 1; }
   echo "mlflow: http://127.0.0.1:$mlflow_port (pid $(cat "$run/mlflow.pid"), log $run/mlflow.log)"
 }

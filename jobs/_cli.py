@@ -1,21 +1,25 @@
 """What every job CLI shares: ``--config``/``--set`` parsing, checks before any work, and exit codes.
 
-Bad input — an unknown key, a wrong type, a missing file, an impossible budget, a bad command line — is **one line on
-stderr and exit code 2, before anything is written**: the config loader and :func:`preflight` check what needs no
-Ray, and the stages raise :class:`pipelines.config.ConfigError` (e.g. ``TargetsError``) for what they can only see
-once they look at their inputs, also before writing. Anything else is a failure of the run, not of the input: its
-traceback and exit code 1.
+Bad input — an unknown key, a wrong type, a missing file, a model folder transformers cannot load, an impossible
+budget, a Ray address where no cluster answers, a bad command line — is **one line on stderr and exit code 2, before
+anything is written**: the config loader and :func:`preflight` check what needs no Ray, and the stages raise
+:class:`pipelines.config.ConfigError` (e.g. ``TargetsError``) for what they can only see once they look at their
+inputs, also before writing. Ctrl-C is one line and exit code 130. Anything else is a failure of the run, not of the
+input: its traceback and exit code 1.
+
+The process environment (offline Hugging Face libraries) is set by ``jobs/__init__.py``, before anything imports them.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable
 
+from kvpop.pretrained import ModelConfigError, PretrainedMissingError, read_model_config
+from pipelines.cluster import check_address
 from pipelines.config import ConfigError, PipelineConfig, load_config
+from pipelines.models import missing_message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,9 +27,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def bare_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """``python -m jobs.<name>``'s parser: a bad command line is one line and exit code 2 (also in subcommands made
+    with ``add_subparsers(parser_class=type(p))``)."""
+    return _Parser(prog=f"python -m jobs.{name}", description=description,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def parser(stage: str, description: str) -> argparse.ArgumentParser:
-    p = _Parser(prog=f"python -m jobs.{stage}", description=description,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """A stage CLI's parser: ``--config``, ``--set``, ``--print-config``."""
+    p = bare_parser(stage, description)
     p.add_argument("--config", metavar="YAML", help="a preset from configs/ (default: the embedded default)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one config key, dotted (e.g. --set train.steps=100 --set budget.topk=192)")
@@ -34,19 +45,18 @@ def parser(stage: str, description: str) -> argparse.ArgumentParser:
 
 
 def preflight(cfg: PipelineConfig) -> None:
-    """Checks that need no Ray and write nothing: the teacher folder and a local data source exist, and the budget fits
-    the model's context."""
+    """Checks that need no Ray and write nothing: the teacher folder is loadable (``read_model_config``), a local data
+    source exists, and the budget fits the model's context."""
     model = cfg.model.resolved_path()
-    if not (model / "config.json").is_file():
-        hint = "run `make model`" if cfg.model.path == "smollm2" else "point model.path at a local HF model folder"
-        raise ConfigError(f"model folder {model} not found (no config.json): {hint}")
     try:
-        context = json.loads((model / "config.json").read_text()).get("max_position_embeddings")
-    except ValueError:
-        raise ConfigError(f"{model / 'config.json'} is not valid JSON") from None
-    total = cfg.budget.budget().total
+        context = read_model_config(model).get("max_position_embeddings")
+    except PretrainedMissingError as err:
+        raise ConfigError(missing_message(model) if cfg.model.path == "smollm2" else f"model.path: {err}") from None
+    except ModelConfigError as err:
+        raise ConfigError(f"model.path: {err}") from None
+    total = cfg.budget.total
     if isinstance(context, int) and total > context:
-        raise ConfigError(f"budget {cfg.budget.budget()} keeps {total} tokens, more than the model's context of "
+        raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "
                           f"{context} (max_position_embeddings): impossible budget")
     from pipelines.data import is_local_source
 
@@ -66,24 +76,34 @@ def load(args) -> PipelineConfig:
     return cfg
 
 
-def _fail(stage: str, err: BaseException) -> int:
+def fail(stage: str, err: BaseException) -> int:
     text = str(err).strip()
     message = text.splitlines()[0] if text else type(err).__name__
     print(f"kvpop {stage}: error: {message}", file=sys.stderr)
     return 2
 
 
-def main(stage: str, description: str, body: Callable[[PipelineConfig], object], argv=None) -> int:
+def interrupted(stage: str) -> int:
+    print(f"kvpop {stage}: interrupted", file=sys.stderr)
+    return 130
+
+
+def main(stage: str, description: str, body: Callable[[PipelineConfig], object], argv=None, *,
+         needs_ray: bool = True) -> int:
+    """Parse ``argv``, load and check the config, run ``body(cfg)``; the exit code. ``needs_ray=False``: a stage that
+    runs without Ray (evaluate) does not probe ``ray.address``."""
     args = parser(stage, description).parse_args(argv)
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # stderr: the stage's own progress and errors
     try:
-        cfg = load(args)
-    except (ConfigError, ValueError, OSError) as err:  # the config as given: nothing has run yet
-        return _fail(stage, err)
-    try:
-        body(cfg)
-    except ConfigError as err:  # a stage's input check (raised before it writes)
-        return _fail(stage, err)
+        try:
+            cfg = load(args)
+            if needs_ray:
+                check_address(cfg)
+        except (ConfigError, ValueError, OSError) as err:  # the config as given: nothing has run yet
+            return fail(stage, err)
+        try:
+            body(cfg)
+        except ConfigError as err:  # a stage's input check (raised before it writes)
+            return fail(stage, err)
+    except KeyboardInterrupt:
+        return interrupted(stage)
     return 0

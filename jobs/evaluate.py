@@ -1,4 +1,5 @@
-"""``python -m jobs.evaluate [--config …] [--set k=v …]``: every policy × budget on held-out text and tasks."""
+"""``python -m jobs.evaluate [--config …] [--set k=v …]``: every policy × budget on held-out text, recall tasks and
+long generation, with 95 % bootstrap intervals and paired differences (a complete result is reused, not redone)."""
 import sys
 
 from jobs._cli import main
@@ -7,8 +8,13 @@ from pipelines import evaluate
 
 def body(cfg):
     result = evaluate.run(cfg)
-    print(f"table and figures: {result.output_dir}\nmlflow run: {result.run_id}")
+    print(f"report, predictions and figures: {result.output_dir}{' (reused)' if result.reused else ''}\n"
+          f"mlflow run: {result.run_id}")
+
+
+def cli(argv=None) -> int:
+    return main("evaluate", __doc__, body, argv, needs_ray=False)
 
 
 if __name__ == "__main__":
-    sys.exit(main("evaluate", __doc__, body))
+    sys.exit(cli())

@@ -13,5 +13,9 @@ def body(cfg):
     print(f"targets: {result.path} ({result.shards} shards, {result.computed} computed now)")
 
 
+def cli(argv=None) -> int:
+    return main("precompute", __doc__, body, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main("precompute", __doc__, body))
+    sys.exit(cli())

@@ -17,5 +17,9 @@ def body(cfg):
           f"mlflow parent run: {result.parent_run_id}")
 
 
+def cli(argv=None) -> int:
+    return main("sweep", __doc__, body, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main("sweep", __doc__, body))
+    sys.exit(cli())

@@ -13,5 +13,9 @@ def body(cfg):
     print(f"model: {result.model_dir}\nmlflow run: {result.mlflow_run_id}")
 
 
+def cli(argv=None) -> int:
+    return main("train", __doc__, body, argv)
+
+
 if __name__ == "__main__":
-    sys.exit(main("train", __doc__, body))
+    sys.exit(cli())

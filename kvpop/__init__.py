@@ -1,11 +1,13 @@
 """KVpop: learned, fixed-budget KV-cache eviction (METHOD.md). Pure torch + transformers; no Ray here."""
 from kvpop.budget import Budget
 from kvpop.cache import KVpopCache
-from kvpop.decode import teacher_forced_logits
+from kvpop import dms_cache  # noqa: F401  registers the DMS cache layer (kvpop.cache.LAYER_TYPES)
+from kvpop.decode import prefill, teacher_forced_logits
+from kvpop.parameters import trainable_parameters
 from kvpop.policies import POLICIES, build_policy
 from kvpop.retrofit import (collect_priorities, load_retrofitted, load_scorers, oracle_priorities, retrofit,
                             save_retrofitted, scorers, set_policy)
 
 __all__ = ["Budget", "KVpopCache", "POLICIES", "build_policy", "collect_priorities", "load_retrofitted",
-           "load_scorers", "oracle_priorities", "retrofit", "save_retrofitted", "scorers", "set_policy",
-           "teacher_forced_logits"]
+           "load_scorers", "oracle_priorities", "prefill", "retrofit", "save_retrofitted", "scorers", "set_policy",
+           "teacher_forced_logits", "trainable_parameters"]

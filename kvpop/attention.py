@@ -12,8 +12,8 @@ opt-in: on an H200 at S = 16k its attention is half of causal, but the gather, i
 eat the gain (1.32× causal vs 1.41× for the masked pass) and the gathered keys cost ~1 GiB of activations per
 layer; at S = 4096 on SmolLM2 it halved the pipeline's training throughput (launch-bound index work).
 
-Decoding a single token over a fixed cache needs no mask at all beyond "slot is filled":
-:func:`slot_attention`.
+Decoding a single token over a fixed cache needs no mask at all beyond "slot is filled" (none once every slot is):
+:func:`slot_attention`. Dynamic policies score the cache from the attention itself: :func:`explicit_attention`.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def _to_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid, budget: Budget,
-                        scale: float, backend: str = "auto") -> torch.Tensor:
+                        scale: float, backend: str = "auto", log_keep: torch.Tensor | None = None) -> torch.Tensor:
     """Masked attention; returns ``[B, C, Hq, D]`` (the layout transformers' attention functions return).
 
     ``query [B, Hq, C, D]``, ``key/value [B, Hkv, N, D]``; ``q_pos [B, C]``; ``kv_pos``, ``kv_evict``,
@@ -137,6 +137,10 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
     over its gathered keys, :func:`compact_retention_attention`) or ``chunked`` (CPU default: SDPA over blocks of
     queries, each with its own ``[rows × N]`` mask — FlexAttention has no backward on CPU). ``auto``: ``flex`` on
     CUDA, ``chunked`` elsewhere.
+
+    ``log_keep [B, Hkv, N]`` (DMS training, ``kvpop.dms``): a relaxed eviction instead of a hard one. Token ``t``
+    adds ``log_keep[t]`` (``log(1 - α_t)``) to the scores of the queries past its window (``t >= sink`` and
+    ``d - t >= window``), gradients flowing into it; pass ``kv_evict`` "never" so that the mask is causal.
     """
     bsz, hq, _, _ = query.shape
     hkv = key.shape[1]
@@ -145,9 +149,12 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
     if backend == "auto":
         backend = "flex" if query.is_cuda else "chunked"
     if backend == "chunked":
-        return _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale)
+        return _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale,
+                                  log_keep=log_keep)
     if backend not in ("flex", "compact"):
         raise ValueError(f"backend must be 'auto', 'flex', 'compact' or 'chunked', got {backend!r}")
+    if log_keep is not None and backend == "compact":
+        raise ValueError("the compact backend has no relaxed (log_keep) form: use backend='flex' or 'chunked'")
     size = q_pos.shape[-1]
     arange = torch.arange(size, device=q_pos.device)
     contiguous = query.shape[2] == key.shape[2] and bool(kv_valid.all()) and bool((q_pos == arange).all()) \
@@ -161,8 +168,19 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
         block_mask.mask_mod = _contiguous_mask_mod(kv_evict, budget.sink, budget.window, hq // hkv)
     else:  # padding / a cache's candidates: the structure comes from the tensors themselves
         block_mask = retention_block_mask(q_pos.contiguous(), kv_pos, kv_evict, kv_valid, budget, hq)
-    out = flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv)
+    score_mod = None if log_keep is None else _log_keep_score_mod(q_pos, kv_pos, log_keep.expand(shape), budget,
+                                                                  hq // hkv)
+    out = flex(query, key, value, block_mask=block_mask, score_mod=score_mod, scale=scale, enable_gqa=hq != hkv)
     return out.transpose(1, 2).contiguous()
+
+
+def _log_keep_score_mod(q_pos, kv_pos, log_keep, budget: Budget, group: int):
+    """DMS's relaxed eviction: ``log(1 - α_t)`` on the scores of the queries past token ``t``'s window."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        t = kv_pos[b, h // group, kv_idx]
+        past = (t >= budget.sink) & (q_pos[b, q_idx] - t >= budget.window)
+        return score + torch.where(past, log_keep[b, h // group, kv_idx], 0.0)
+    return score_mod
 
 
 # -----------------------------------------------------------------------------
@@ -305,7 +323,8 @@ def _compact_attention(query, key, value, layout: CompactLayout, scale: float, k
     return out[:, :size]
 
 
-def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale, budget_bytes=1 << 25):
+def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale, budget_bytes=1 << 25,
+                       log_keep=None):
     from kvpop.retention import retained
 
     bsz, hq, q_len, _ = query.shape
@@ -319,8 +338,14 @@ def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, bud
         mask = kv_valid[:, :, None, :] & retained(d, kv_pos[:, :, None, :], kv_evict[:, :, None, :], budget)
         mask = mask.repeat_interleave(group, dim=1)  # [B, Hq, rows, N]
         sees = mask.any(-1, keepdim=True)
+        attn_mask = mask | ~sees
+        if log_keep is not None:  # DMS training: a float mask, log(1 - α_t) past t's window (see retention_attention)
+            t = kv_pos[:, :, None, :]
+            bias = torch.where((t >= budget.sink) & (d - t >= budget.window), log_keep.expand(kv_pos.shape)[:, :, None],
+                               0.0)
+            attn_mask = torch.where(attn_mask, bias.repeat_interleave(group, dim=1), float("-inf")).to(query.dtype)
         out = F.scaled_dot_product_attention(query[:, :, sl], key.repeat_interleave(group, dim=1),
-                                             value.repeat_interleave(group, dim=1), attn_mask=mask | ~sees,
+                                             value.repeat_interleave(group, dim=1), attn_mask=attn_mask,
                                              scale=scale)
         outs.append(torch.where(sees, out, 0.0))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
@@ -328,20 +353,40 @@ def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, bud
 
 def slot_attention(query, keys, values, filled, *, scale: float, return_probs: bool = False):
     """One query per row over a fixed cache: ``query [B, Hq, 1, D]``, ``keys [B, Hkv, slots, D]``,
-    ``filled [B, Hkv, slots]``. Returns ``[B, 1, Hq, D]`` (and the attention probabilities ``[B, Hq, slots]``)."""
+    ``filled [B, Hkv, slots]`` (``None``: every slot is filled). Returns ``[B, 1, Hq, D]`` (and the attention
+    probabilities ``[B, Hq, slots]``).
+
+    Without probabilities this is SDPA with the query heads grouped onto their KV head (``enable_gqa``: the slots
+    are read once, never expanded per query head); without a mask, on CUDA, it runs as a flash decoding kernel.
+    """
     bsz, hq, _, dim = query.shape
     hkv = keys.shape[1]
     group = hq // hkv
-    if not return_probs:
-        mask = filled.repeat_interleave(group, dim=1)[:, :, None, :]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
-        return out.transpose(1, 2), None
-    q = query.view(bsz, hkv, group, dim).float()
-    scores = torch.einsum("bgqd,bgsd->bgqs", q, keys.float()) * scale
-    scores = scores.masked_fill(~filled[:, :, None, :], float("-inf"))
-    probs = scores.softmax(-1)
-    out = torch.einsum("bgqs,bgsd->bgqd", probs, values.float()).to(query.dtype)
-    return out.reshape(bsz, hq, 1, dim).transpose(1, 2), probs.reshape(bsz, hq, -1)
+    if return_probs:
+        out, probs = explicit_attention(query, keys, values, None if filled is None else filled[:, :, None, :],
+                                        scale=scale)
+        return out, probs.reshape(bsz, hq, -1)
+    mask = None if filled is None else filled.repeat_interleave(group, dim=1)[:, :, None, :]
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=group > 1)
+    return out.transpose(1, 2), None
+
+
+def explicit_attention(query, keys, values, mask, *, scale: float):
+    """Attention with its probabilities, in float32 at least (what dynamic policies score the cache with).
+
+    ``query [B, Hq, Q, D]``, ``keys/values [B, Hkv, N, D]``, ``mask [B, Hkv, Q, N]`` (``None``: all visible).
+    Returns ``(output [B, Q, Hq, D], probabilities [B, Hkv, group, Q, N])``; a query that sees nothing gets zeros.
+    """
+    bsz, hq, q_len, dim = query.shape
+    hkv = keys.shape[1]
+    work = torch.promote_types(query.dtype, torch.float32)
+    q = query.reshape(bsz, hkv, hq // hkv, q_len, dim).to(work)
+    scores = torch.einsum("bhgqd,bhnd->bhgqn", q, keys.to(work)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.nan_to_num(scores.softmax(-1))
+    out = torch.einsum("bhgqn,bhnd->bhgqd", probs, values.to(work)).to(query.dtype)
+    return out.reshape(bsz, hq, q_len, -1).transpose(1, 2), probs
 
 
 # -----------------------------------------------------------------------------
@@ -398,6 +443,15 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
         raise RuntimeError(f"the {policy.name} policy re-scores the cache every step: run it through the fixed "
                            "cache (model.generate, or kvpop.decode.teacher_forced_logits), not a one-pass forward")
     layer = LayerView(module.layer_idx, module, runtime)
+    if policy.ragged:  # DMS: one keep/evict decision per (token, KV head), no fixed budget (kvpop.policies.dms)
+        if q_len != kv_len:
+            raise ValueError("DMS runs one-pass over whole sequences (use_cache=False) or through its own cache")
+        decisions = policy.eviction_logits(layer, valid, positions[:, None, :])
+        if runtime.collected is not None:
+            runtime.collected[module.layer_idx] = decisions
+        evict, log_keep = policy.attention_inputs(decisions, positions[:, None, :])
+        return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
+                                   kv_valid=valid[:, None], budget=policy.budget, scale=scale, log_keep=log_keep)
     raw = policy.sequence_priorities(layer, key, value, valid, positions[:, None, :])
     ranked = policy.ranked(raw, positions[:, None, :])
     if runtime.collected is not None:

@@ -6,11 +6,30 @@ Slot layout per (row, KV head)::
     [sink, sink + window)      the protected window, a ring: token t >= sink lives in slot sink + (t - sink) % window
     [sink + window, B)         long-range slots: the best ``topk`` eligible tokens, min-priority replacement
 
-Decoding one token at position ``p``: the token ``p - window`` leaves the ring (its slot is the one token ``p``
+Slots fill up in order (after ``n < B`` tokens, slots ``0 … n-1`` hold them) and a filled slot is only ever
+replaced, so once a row has seen ``B`` tokens every slot holds one and attention needs no mask.
+
+**Decoding** one token at position ``p``: the token ``p - window`` leaves the ring (its slot is the one token ``p``
 takes), receives its priority now (METHOD §1), and replaces the weakest long-range slot if it beats it (ties: the
-newer token wins); then the query attends to every filled slot. A chunk of several tokens (prefill, chunked
-prefill) runs as one masked attention over "slots + chunk" — every token that can still be retained — and is
-then compressed back into the slots. Both give exactly the retained sets of the one-pass mask.
+newer token wins); then the query attends to every filled slot.
+
+**A chunk** of several tokens (prefill; ``generate`` feeds long prompts in chunks, :func:`kvpop.decode.prefill`) is
+one attention over the *candidates* — every cached slot plus the chunk — then compressed back into the ``B`` slots.
+The cache never holds more than its ``B`` slots per layer plus one layer's ``B + C`` candidates
+(:class:`KVMeter` counts it): peak K/V memory is bounded by the chunk ``C``, not by the prompt.
+
+* Static policies: the chunk's queries see the candidates under the retention rule, with the priorities of the
+  tokens leaving the window inside the chunk computed for the whole chunk at once (``Policy.resume``); the result
+  is exactly the one-pass mask, for any chunk sizes.
+* Dynamic policies (TOVA, H2O) — the chunk rule: (1) the cache as it stands at the chunk's first query ``p0``:
+  the eligible cached tokens (``sink <= t <= p0 - window``) keep the ``topk`` best scores, the rest are evicted;
+  (2) every query of the chunk attends to what remains plus the chunk, causally, with no eviction inside the
+  chunk; (3) the scores take in the chunk's attention (``observe_chunk``: TOVA the last query's, H2O the sum);
+  (4) evict down to ``B`` at the chunk's last query. A chunk of one token is exactly a decoding step. A longer
+  chunk equals token-by-token decoding when nothing is evicted inside it, i.e. when the row's first ``p0 + C``
+  tokens fit in ``B`` (a prompt of at most ``B`` tokens); beyond that its queries see tokens that token-by-token
+  decoding would already have evicted, and its scores come from the chunk's queries at once.
+  ``KVpopCache(model, dynamic_chunks=False)`` takes a multi-token call token by token instead (teacher forcing).
 
 Memory is constant in the generated length: keys and values ``2 × B × Hkv × head_dim × dtype`` per layer and row,
 plus per-slot metadata (int64 position, fp32 priority, fp32 attention score for dynamic policies) and the scorer's
@@ -18,20 +37,49 @@ O(window) state. ``KVpopCache.nbytes()`` itemises it.
 """
 from __future__ import annotations
 
+import copy
 import functools
+from typing import NamedTuple
 
 import torch
 import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpop.attention import retention_attention, slot_attention
+from kvpop.attention import explicit_attention, retention_attention, slot_attention
 from kvpop.policies.base import LayerView, Policy
-from kvpop.retention import eviction_positions, retained
+from kvpop.retention import eviction_positions, ranks_newer_wins, retained
 
 # transformers 5.24 renamed the `past_key_values` argument of forward/generate to `cache` (the old name warns until
 # 5.40 / 6.0); 5.17 knows only the old one
 CACHE_KWARG = "cache" if Version(transformers.__version__).release >= (5, 24) else "past_key_values"
+
+
+class KVMeter:
+    """Key/value bytes a cache holds: every layer's slots, plus the transient candidates (``B`` slots + the chunk)
+    of the layer a chunk is going through. ``peak`` is the most it ever held."""
+
+    def __init__(self):
+        self.held = 0
+        self.peak = 0
+
+    def hold(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
+
+
+class Candidates(NamedTuple):
+    """What a chunk competes over, per (row, KV head): the cached slots sorted by position, then the chunk."""
+
+    pos: torch.Tensor  # [B, Hkv, N] int64 (empty slots and padding: negative)
+    valid: torch.Tensor  # [B, Hkv, N] bool
+    keys: torch.Tensor  # [B, Hkv, N, D]
+    values: torch.Tensor
+    prio: torch.Tensor | None  # static policies: ranked priority (-inf until the token leaves the window)
+    score: torch.Tensor | None  # dynamic policies: attention received
 
 
 class KVpopLayer(CacheLayerMixin):
@@ -39,11 +87,15 @@ class KVpopLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, runtime, layer_idx: int, policy: Policy):
+    def __init__(self, runtime, layer_idx: int, policy: Policy, meter: KVMeter | None = None,
+                 dynamic_chunks: bool = True):
         super().__init__()
         self.runtime, self.layer_idx, self.policy = runtime, layer_idx, policy
         self.budget = policy.budget
+        self.meter = meter if meter is not None else KVMeter()
+        self.dynamic_chunks = dynamic_chunks
         self.columns = 0  # input columns seen, padding included: what generate() counts positions with
+        self.full = False  # every slot of every row filled (then decoding attends without a mask)
 
     # -- transformers' layer interface -------------------------------------------------------------------------
 
@@ -53,6 +105,7 @@ class KVpopLayer(CacheLayerMixin):
         self.device = device
         self.keys = key_states.new_zeros(bsz, hkv, slots, dim)
         self.values = value_states.new_zeros(bsz, hkv, slots, value_states.shape[-1])
+        self.meter.hold(self.keys.nbytes + self.values.nbytes)
         self.slot_pos = torch.full((bsz, hkv, slots), -1, dtype=torch.long, device=device)  # -1: empty
         self.slot_prio = torch.full((bsz, hkv, slots), float("-inf"), device=device)  # ranked priority
         self.slot_score = torch.zeros(bsz, hkv, slots, device=device) if self.policy.dynamic else None
@@ -82,11 +135,13 @@ class KVpopLayer(CacheLayerMixin):
     def _index_batch(self, fn):
         if not self.is_initialized:
             return
+        self.meter.release(self.keys.nbytes + self.values.nbytes)
         for name in self._batch_tensors():
             if getattr(self, name) is not None:
                 setattr(self, name, fn(getattr(self, name)))
         if self.scorer_state is not None:
             self.scorer_state = {k: fn(v) for k, v in self.scorer_state.items()}
+        self.meter.hold(self.keys.nbytes + self.values.nbytes)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._index_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
@@ -98,9 +153,12 @@ class KVpopLayer(CacheLayerMixin):
         self._index_batch(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def reset(self) -> None:
+        if self.is_initialized:
+            self.meter.release(self.keys.nbytes + self.values.nbytes)
         self.is_initialized = False
         self.keys = self.values = None
         self.columns = 0
+        self.full = False
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a fixed-budget cache has evicted the past: it cannot be cropped (assisted "
@@ -124,23 +182,118 @@ class KVpopLayer(CacheLayerMixin):
                  else valid_cols[:, -chunk:].to(device=query.device, dtype=torch.bool))
         self.columns += chunk
         layer = LayerView(self.layer_idx, module, self.runtime)
-        if chunk > 1 and not self.policy.dynamic:
-            return self._chunk(layer, query, key_new, value_new, valid, scale)
-        # one token at a time: decoding, and every input of a dynamic policy (its scores need each attention)
-        outs = [self._step(layer, query[:, :, i:i + 1], key_new[:, :, i], value_new[:, :, i], valid[:, i], scale)
-                for i in range(chunk)]
-        return torch.cat(outs, dim=1)
+        if chunk == 1:
+            return self._step(layer, query, key_new[:, :, 0], value_new[:, :, 0], valid[:, 0], scale)
+        if self.policy.dynamic and not self.dynamic_chunks:  # token by token, exactly as decoding would
+            return torch.cat([self._step(layer, query[:, :, i:i + 1], key_new[:, :, i], value_new[:, :, i],
+                                         valid[:, i], scale) for i in range(chunk)], dim=1)
+        return self._chunk(layer, query, key_new, value_new, valid, scale)
+
+    def _filled(self) -> bool:
+        """Whether every slot of every row holds a token (then, and forever after, attention needs no mask).
+        Checked on the host until it holds; never while a CUDA graph is being captured."""
+        if not self.full and not (self.keys.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.full = bool((self.seen >= self.budget.total).all())
+        return self.full
+
+    # -- decoding: one token
 
     def _step(self, layer, query, key, value, valid, scale):
+        full = self._filled()
         if self.policy.dynamic:
-            return _dynamic_step(self, query, key, value, valid, scale)
-        w = self.budget.window
-        raw, state = _policy_step(self.policy, self.runtime)(layer, key, value, valid, self.seen, self.scorer_state)
+            return _dynamic_step(self, query, key, value, valid, scale, full)
+        step = _compiled_static_step() if self.runtime.compile_decode else static_step
+        out, state = step(self.policy, layer, self.keys, self.values, self.slot_pos, self.slot_prio, self.seen,
+                          self.scorer_state, query, key, value, valid, self.budget.sink, self.budget.window,
+                          self.budget.topk, scale, full)
+        if self.scorer_state is None:
+            self.scorer_state = state
+        return out
+
+    # -- a chunk: candidates = slots + chunk, one attention, compression back into the slots
+
+    def _chunk(self, layer, query, key_new, value_new, valid, scale):
+        bsz, hkv, chunk, _ = key_new.shape
+        arange = torch.arange(chunk, device=key_new.device)
+        leading = (valid.long().cumsum(-1) == 0).sum(-1)
+        count = valid.sum(-1)
+        if not torch.equal(valid, (arange >= leading[:, None]) & (arange < (leading + count)[:, None])):
+            raise ValueError("KVpop's cache takes left padding only, before a row's first token")
+        if bool(((self.seen > 0) & (count < chunk)).any()):
+            raise ValueError("padding after a row's first token: KVpop's cache takes left padding only")
+        new_pos = self.seen[:, None] + arange - leading[:, None]  # [B, C]; padding negative
+        last = (self.seen + count - 1)[:, None, None]  # the chunk's last query, per row
+        new_prio = None if self.policy.dynamic else self._leaving_priorities(layer, key_new, value_new, valid, new_pos)
+        cand = self._candidates(key_new, value_new, new_pos, valid, new_prio)
+        if self.policy.dynamic:
+            out, keep, score = _dynamic_chunk(self.policy, query, cand, self.seen, new_pos, valid, last, scale)
+            cand = cand._replace(score=score)
+        else:
+            evict = eviction_positions(cand.prio, self.budget, positions=cand.pos)
+            out = retention_attention(query, cand.keys, cand.values, q_pos=new_pos, kv_pos=cand.pos, kv_evict=evict,
+                                      kv_valid=cand.valid, budget=self.budget, scale=scale)
+            keep = cand.valid & retained(last, cand.pos, evict, self.budget)
+        self._store(cand, keep, last)
+        self.meter.release(cand.keys.nbytes + cand.values.nbytes)
+        self.seen += count
+        return out
+
+    def _leaving_priorities(self, layer, key_new, value_new, valid, new_pos):
+        """The chunk's call ``i`` makes token ``new_pos[i] - window`` leave the window and gives its priority: for a
+        token of the chunk it is returned (``[B, Hkv, C]``, -inf for tokens still in the window at the chunk's end),
+        for a token in the ring it is written to its slot."""
+        s, w = self.budget.sink, self.budget.window
+        bsz, hkv, chunk, _ = key_new.shape
+        raw, state = self.policy.resume(layer, key_new, value_new, valid, new_pos[:, None, :], self.scorer_state)
         self._keep_state(state)
-        prio = self.policy.ranked(raw.float(), (self.seen - w)[:, None])
-        step = _compiled_static_step() if self.runtime.compile_decode else static_slot_step
-        return step(self.keys, self.values, self.slot_pos, self.slot_prio, self.seen, query, key, value, prio, valid,
-                    self.budget.sink, w, self.budget.topk, scale)
+        leaving = (new_pos - w)[:, None, :].expand(bsz, hkv, chunk)
+        prio = self.policy.ranked(raw.float(), leaving)
+        new_prio = torch.full((bsz, hkv, chunk), float("-inf"), device=key_new.device)
+        new_prio[..., :max(chunk - w, 0)] = prio[..., w:]
+        from_ring = leaving[..., :w]  # distinct ring slots: at most `window` consecutive positions
+        slot = s + (from_ring - s) % w
+        cached = self.slot_prio.gather(-1, slot)
+        self.slot_prio.scatter_(-1, slot, torch.where(from_ring >= s, prio[..., :w], cached))
+        return new_prio
+
+    def _candidates(self, key_new, value_new, new_pos, valid, new_prio) -> Candidates:
+        bsz, hkv, chunk, dim = key_new.shape
+        slots = self.budget.total
+        order = self.slot_pos.argsort(-1)
+        pos = torch.cat([self.slot_pos.gather(-1, order), new_pos[:, None, :].expand(bsz, hkv, chunk)], -1)
+        ok = torch.cat([pos[..., :slots] >= 0, valid[:, None, :].expand(bsz, hkv, chunk)], -1)
+        kv = []
+        for cached, new in ((self.keys, key_new), (self.values, value_new)):
+            both = cached.new_empty(bsz, hkv, slots + chunk, cached.shape[-1])  # the only transient copy
+            torch.gather(cached, 2, order[..., None].expand(-1, -1, -1, cached.shape[-1]), out=both[:, :, :slots])
+            both[:, :, slots:] = new
+            kv.append(both)
+        self.meter.hold(kv[0].nbytes + kv[1].nbytes)
+        prio = None if new_prio is None else torch.cat([self.slot_prio.gather(-1, order), new_prio], -1)
+        score = None if self.slot_score is None else torch.cat(
+            [self.slot_score.gather(-1, order), self.slot_score.new_zeros(bsz, hkv, chunk)], -1)
+        return Candidates(pos, ok, kv[0], kv[1], prio, score)
+
+    def _store(self, cand: Candidates, keep, last) -> None:
+        """Write the kept candidates into their slots (sinks at their position, the window in its ring, the
+        long-range ones in position order after it); slots nobody takes are left empty."""
+        s, w, slots = self.budget.sink, self.budget.window, self.budget.total
+        long_range = keep & (cand.pos >= s) & (cand.pos <= last - w)
+        slot = torch.where(cand.pos < s, cand.pos, s + (cand.pos - s) % w)
+        slot = torch.where(long_range, s + w + long_range.long().cumsum(-1) - 1, slot)
+        slot = torch.where(keep, slot, slots)  # dropped: a spare slot past the end
+        source = torch.full(slot.shape[:2] + (slots + 1,), -1, dtype=torch.long, device=slot.device)
+        source = source.scatter_(-1, slot, torch.arange(slot.shape[-1], device=slot.device).expand_as(slot))
+        source = source[..., :slots]
+        empty = source < 0
+        source = source.clamp(min=0)  # an empty slot holds some candidate's finite values, masked as empty
+        for store, values in ((self.keys, cand.keys), (self.values, cand.values)):
+            torch.gather(values, 2, source[..., None].expand(-1, -1, -1, store.shape[-1]), out=store)
+        self.slot_pos.copy_(torch.where(empty, -1, cand.pos.gather(-1, source)))
+        if cand.prio is not None:
+            self.slot_prio.copy_(torch.where(empty, float("-inf"), cand.prio.gather(-1, source)))
+        if cand.score is not None:
+            self.slot_score.copy_(torch.where(empty, 0.0, cand.score.gather(-1, source)))
 
     def _keep_state(self, state):
         """Adopt the scorer's new state by copying into the buffers already held (a replayable CUDA graph needs
@@ -152,72 +305,37 @@ class KVpopLayer(CacheLayerMixin):
             if tensor is not self.scorer_state[name]:
                 self.scorer_state[name].copy_(tensor)
 
-    def _chunk(self, layer, query, key_new, value_new, valid, scale):
-        s, w = self.budget.sink, self.budget.window
-        bsz, hkv, chunk, _ = key_new.shape
-        device = key_new.device
-        arange = torch.arange(chunk, device=device)
-        leading = (valid.long().cumsum(-1) == 0).sum(-1)
-        count = valid.sum(-1)
-        if not torch.equal(valid, (arange >= leading[:, None]) & (arange < (leading + count)[:, None])):
-            raise ValueError("KVpop's cache takes left padding only, in the first chunk")
-        if bool(((self.seen > 0) & (leading > 0)).any()) or bool((count < chunk).any() & (self.seen > 0).any()):
-            raise ValueError("padding after the first chunk: KVpop's cache takes left padding only")
-        new_pos = self.seen[:, None] + arange - leading[:, None]  # [B, C]; padding negative
-        new_prio = torch.full((bsz, hkv, chunk), float("-inf"), device=device)
-        if bool((self.seen == 0).all()):  # prefill from empty: the whole chunk at once
-            raw, state = self.policy.start(layer, key_new, value_new, valid, new_pos[:, None, :])
-            self._keep_state(state)
-            new_prio = self.policy.ranked(raw.float(), new_pos[:, None, :])
-        else:  # a chunk after cached tokens: priorities as the tokens leave the window, one step each
-            for i in range(chunk):
-                raw, state = self.policy.step(layer, key_new[:, :, i], value_new[:, :, i], valid[:, i],
-                                              new_pos[:, i], self.scorer_state)
-                self._keep_state(state)
-                leaving = new_pos[:, i] - w
-                prio = self.policy.ranked(raw.float(), leaving[:, None])
-                if i >= w:
-                    new_prio[:, :, i - w] = prio
-                else:  # the leaving token sits in the ring
-                    slot = (s + (leaving - s) % w)[:, None, None].expand(bsz, hkv, 1)
-                    cur = self.slot_prio.gather(-1, slot)
-                    upd = torch.where((leaving >= s)[:, None, None], prio[..., None], cur)
-                    self.slot_prio.scatter_(-1, slot, upd)
-        # candidates: every cached slot (sorted by position) and the chunk
-        order = self.slot_pos.argsort(-1)
-        cand_pos = torch.cat([self.slot_pos.gather(-1, order), new_pos[:, None, :].expand(bsz, hkv, chunk)], -1)
-        cand_prio = torch.cat([self.slot_prio.gather(-1, order), new_prio], -1)
-        cand_valid = torch.cat([self.slot_pos.gather(-1, order) >= 0, valid[:, None, :].expand(bsz, hkv, chunk)], -1)
-        gather4 = order[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        cand_k = torch.cat([self.keys.gather(2, gather4), key_new.to(self.keys.dtype)], 2)
-        cand_v = torch.cat([self.values.gather(2, gather4), value_new.to(self.values.dtype)], 2)
-        evict = eviction_positions(cand_prio, self.budget, positions=cand_pos)
-        out = retention_attention(query, cand_k, cand_v, q_pos=new_pos, kv_pos=cand_pos, kv_evict=evict,
-                                  kv_valid=cand_valid, budget=self.budget, scale=scale)
-        # compress: keep what the last query of the chunk retains
-        last = (self.seen + count - 1)[:, None, None]
-        keep = cand_valid & retained(last, cand_pos, evict, self.budget)
-        in_window = cand_pos > last - w
-        is_sink = cand_pos < s
-        long_range = keep & ~in_window & ~is_sink
-        slot = torch.where(is_sink, cand_pos, s + (cand_pos - s) % w)
-        slot = torch.where(long_range, s + w + long_range.long().cumsum(-1) - 1, slot)
-        slots = self.budget.total
-        slot = torch.where(keep, slot, slots)  # dropped tokens go to a spare slot that is cut off
-        self.keys.copy_(_scatter_slots(cand_k, slot, slots, 0.0))
-        self.values.copy_(_scatter_slots(cand_v, slot, slots, 0.0))
-        self.slot_pos.copy_(_scatter_slots(cand_pos, slot, slots, -1))
-        self.slot_prio.copy_(_scatter_slots(cand_prio, slot, slots, float("-inf")))
-        self.seen += count
-        return out
+
+def _best(score: torch.Tensor, eligible: torch.Tensor, topk: int) -> torch.Tensor:
+    """The ``topk`` eligible entries with the highest (score, position), ties to the newer: entries are in position
+    order, so after ranking ineligible ones lowest, the eligible among the ``topk`` highest ranks."""
+    rank, _ = ranks_newer_wins(torch.where(eligible, score, float("-inf")))
+    return eligible & (rank >= score.shape[-1] - topk)
 
 
-def _scatter_slots(values: torch.Tensor, slot: torch.Tensor, slots: int, fill) -> torch.Tensor:
-    """Place candidates ``[B, H, N(, D)]`` into ``slots`` (+1 spare for the dropped) by ``slot [B, H, N]``."""
-    shape = (*values.shape[:2], slots + 1, *values.shape[3:])
-    out = torch.full(shape, fill, dtype=values.dtype, device=values.device)
-    index = slot if values.dim() == 3 else slot[..., None].expand_as(values)
-    return out.scatter(2, index, values)[:, :, :slots]
+def _dynamic_chunk(policy, query, cand: Candidates, first, new_pos, valid, last, scale, budget_bytes=1 << 25):
+    """The chunk rule for dynamic policies (module docstring): returns (output ``[B, C, Hq, D]``, which candidates
+    the cache keeps, their new scores)."""
+    s, w, k = policy.budget.sink, policy.budget.window, policy.budget.topk
+    bsz, hq, chunk, _ = query.shape
+    slots = policy.budget.total
+    cached = torch.arange(cand.pos.shape[-1], device=cand.pos.device) < slots
+    before = cached & cand.valid & (cand.pos >= s) & (cand.pos <= first[:, None, None] - w)
+    visible = cand.valid & ~(before & ~_best(cand.score, before, k))  # the cache as it stands at the first query
+    score = cand.score
+    rows = max(1, min(chunk, budget_bytes // max(1, 4 * bsz * hq * cand.pos.shape[-1])))
+    outs = []
+    for start in range(0, chunk, rows):  # query blocks: the probabilities of a block at a time
+        sl = slice(start, min(chunk, start + rows))
+        sees = visible[:, :, None, :] & (cand.pos[:, :, None, :] <= new_pos[:, None, sl, None]) \
+            & valid[:, None, sl, None]
+        out, probs = explicit_attention(query[:, :, sl], cand.keys, cand.values, sees, scale=scale)
+        outs.append(out)
+        observed = policy.observe_chunk(score, probs.amax(2))  # needed if any head of the group needs it
+        score = torch.where(valid[:, sl].any(-1)[:, None, None], observed, score)
+    after = visible & (cand.pos >= s) & (cand.pos <= last - w)
+    keep = visible & ~(after & ~_best(score, after, k))
+    return torch.cat(outs, dim=1), keep, score
 
 
 # -----------------------------------------------------------------------------
@@ -278,19 +396,36 @@ def _insert(keys, values, slot_pos, slot_prio, slot_score, seen, ring, key, valu
 
 
 def static_slot_step(keys, values, slot_pos, slot_prio, seen, query, key, value, prio, valid, sink: int, window: int,
-                     topk: int, scale: float):
-    """A static policy's decoding step: ``prio`` is the ranked priority of the token leaving the window."""
+                     topk: int, scale: float, full: bool = False):
+    """A static policy's decoding step: ``prio`` is the ranked priority of the token leaving the window.
+    ``full``: every slot is filled, so the attention reads the slots without a mask."""
     pos = seen.clone()
     ring = torch.where(pos < sink, pos, sink + (pos - sink) % window)  # the new token's slot = the leaving token's
     leaving = pos - window
     if topk > 0:
         _compete(keys, values, slot_pos, slot_prio, None, ring, leaving, prio, valid & (leaving >= sink), sink, window)
     _insert(keys, values, slot_pos, slot_prio, None, seen, ring, key, value, valid)
-    out, _ = slot_attention(query, keys, values, slot_pos >= 0, scale=scale)
+    out, _ = slot_attention(query, keys, values, None if full else slot_pos >= 0, scale=scale)
     return torch.where(valid[:, None, None, None], torch.nan_to_num(out), 0.0)
 
 
-def _dynamic_step(layer, query, key, value, valid, scale):
+def static_step(policy, layer, keys, values, slot_pos, slot_prio, seen, state, query, key, value, valid, sink: int,
+                window: int, topk: int, scale: float, full: bool):
+    """One layer's whole decoding step for a static policy — scorer step, ranking, slot bookkeeping, attention — as
+    one function, so that ``torch.compile`` fuses it (``Runtime.compile_decode``). A held scorer ``state`` is updated
+    in place (a replayed CUDA graph reads and writes the same memory); returns ``(output, new state or None)``."""
+    raw, new_state = policy.step(layer, key, value, valid, seen, state)
+    if state is not None:
+        for name, tensor in new_state.items():
+            state[name].copy_(tensor)
+        new_state = None
+    prio = policy.ranked(raw.float(), (seen - window)[:, None])
+    out = static_slot_step(keys, values, slot_pos, slot_prio, seen, query, key, value, prio, valid, sink, window, topk,
+                           scale, full)
+    return out, new_state
+
+
+def _dynamic_step(layer, query, key, value, valid, scale, full=False):
     """TOVA / H2O: the leaving token and the long-range slots compete on the attention they have received."""
     s, w, k = layer.budget.sink, layer.budget.window, layer.budget.topk
     bsz, hkv, _ = key.shape
@@ -304,7 +439,8 @@ def _dynamic_step(layer, query, key, value, valid, scale):
     _insert(layer.keys, layer.values, layer.slot_pos, layer.slot_prio, layer.slot_score, layer.seen, ring, key, value,
             valid)
     filled = layer.slot_pos >= 0
-    out, probs = slot_attention(query, layer.keys, layer.values, filled, scale=scale, return_probs=True)
+    out, probs = slot_attention(query, layer.keys, layer.values, None if full else filled, scale=scale,
+                                return_probs=True)
     received = probs.view(bsz, hkv, probs.shape[1] // hkv, -1).amax(2)  # needed if any head of the group needs it
     scores = torch.where(filled, layer.policy.observe(layer.slot_score, received), 0.0)
     layer.slot_score.copy_(torch.where(valid[:, None, None], scores, layer.slot_score))
@@ -313,25 +449,20 @@ def _dynamic_step(layer, query, key, value, valid, scale):
 
 @functools.cache
 def _compiled_static_step():
-    return torch.compile(static_slot_step, dynamic=False)
+    return torch.compile(static_step)  # automatic dynamic shapes: a new batch size compiles once more, not per size
 
 
-def _policy_step(policy, runtime):
-    """The policy's step; compiled (once per policy class) when the runtime asks for compiled decoding."""
-    if not runtime.compile_decode:
-        return policy.step
-    return _compiled_policy_step(type(policy)).__get__(policy)
-
-
-@functools.cache
-def _compiled_policy_step(policy_cls):
-    return torch.compile(policy_cls.step, dynamic=False)
+# Cache layer types of policies whose cache is not the fixed B slots, by policy name. The module defining one
+# registers it (kvpop.dms_cache, imported by the package), so that this module never imports what builds on it.
+LAYER_TYPES: dict[str, type[KVpopLayer]] = {}
 
 
 class KVpopCache(Cache):
     """A transformers Cache of ``KVpopLayer``s; ``model.generate`` of a retrofitted model creates one itself."""
 
-    def __init__(self, model, policy: Policy | None = None):
+    def __init__(self, model, policy: Policy | None = None, *, dynamic_chunks: bool = True):
+        """``dynamic_chunks=False``: a dynamic policy takes a multi-token call token by token, exactly as decoding
+        (teacher forcing); by default a call is one chunk (bounded prefill; module docstring)."""
         runtime = getattr(model, "kvpop_runtime", None)
         if runtime is None:
             raise ValueError("KVpopCache needs a retrofitted model: call kvpop.retrofit(model, budget, ...) first")
@@ -339,7 +470,34 @@ class KVpopCache(Cache):
         if policy.budget is None:
             raise ValueError("the dense policy has no budget: decode it with transformers' DynamicCache")
         self.policy = policy
-        super().__init__(layers=[KVpopLayer(runtime, i, policy) for i in range(runtime.num_layers)])
+        layer_class = LAYER_TYPES.get(policy.name, KVpopLayer)
+        if policy.ragged and layer_class is KVpopLayer:
+            raise ValueError(f"policy {policy.name!r} keeps a ragged number of tokens per head, and no cache layer "
+                             f"type is registered for it in kvpop.cache.LAYER_TYPES")
+        self.meter = KVMeter()
+        super().__init__(layers=[layer_class(runtime, i, policy, self.meter, dynamic_chunks)
+                                 for i in range(runtime.num_layers)])
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        """The most key/value bytes this cache has held at once: ``B`` slots per layer, plus one layer's ``B + C``
+        candidates while a chunk of ``C`` tokens goes through (:class:`KVMeter`)."""
+        return self.meter.peak
+
+    def repeated(self, repeats: int) -> "KVpopCache":
+        """A new cache whose rows are ``repeats`` copies of each of this cache's rows (this one is left as it is):
+        one prefill, many continuations."""
+        other = copy.copy(self)
+        other.meter = KVMeter()
+        other.layers = []
+        for layer in self.layers:
+            clone = copy.copy(layer)
+            clone.meter = other.meter
+            if clone.is_initialized:
+                clone.meter.hold(clone.keys.nbytes + clone.values.nbytes)  # released again by the re-indexing
+            clone.batch_repeat_interleave(repeats)
+            other.layers.append(clone)
+        return other
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held: ``kv`` (= B × layers × Hkv × head_dim × 2 × dtype size × batch), metadata, scorer state."""

@@ -1,9 +1,46 @@
-"""Running a retrofitted model through its fixed cache: teacher-forced logits, for evaluation and the invariant."""
+"""Running a retrofitted model through its fixed cache: bounded prefill, teacher-forced logits, graphed decoding."""
 from __future__ import annotations
 
 import torch
 
 from kvpop.cache import CACHE_KWARG, KVpopCache
+
+
+def _forward(model, cache, input_ids, start: int, end: int, attention_mask=None, position_ids=None, **kwargs):
+    """One call with columns ``start:end`` (the mask covers every column so far, as transformers expects)."""
+    return model(input_ids=input_ids[:, start:end], use_cache=True,
+                 attention_mask=None if attention_mask is None else attention_mask[:, :end],
+                 position_ids=None if position_ids is None else position_ids[:, start:end],
+                 **{CACHE_KWARG: cache}, **kwargs)
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, chunk: int | None = None,
+            attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> KVpopCache:
+    """Bounded prefill (METHOD §5): the columns of ``input_ids`` the cache has not seen, at most ``chunk`` per call
+    (default ``Runtime.prefill_chunk``), each compressed back into the ``B`` slots before the next; returns the
+    cache. The cache's key/value memory peaks at every layer's ``B`` slots plus one layer's ``B + chunk``
+    candidates (``cache.peak_kv_bytes``), whatever the prompt's length; for a static policy the result is the
+    one-pass mask's for any chunk size, for a dynamic one see the chunk rule in :mod:`kvpop.cache`.
+
+    Chunks are counted back from the last column (the first call takes the remainder), so that a left-padded row
+    is cut where it would be cut alone. ``attention_mask`` / ``position_ids`` cover all of ``input_ids``' columns
+    (left padding only).
+    """
+    cache = cache if cache is not None else KVpopCache(model)
+    chunk = chunk if chunk is not None else model.kvpop_runtime.prefill_chunk
+    keep = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", lambda: False)() else {}
+    bounds = chunk_bounds(cache.get_seq_length(), input_ids.shape[1], chunk)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        _forward(model, cache, input_ids, start, end, attention_mask, position_ids, **keep)
+    return cache
+
+
+def chunk_bounds(done: int, size: int, chunk: int) -> list[int]:
+    """Where :func:`prefill` cuts columns ``done … size``: every ``chunk`` columns counted back from ``size``."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt columns per call), got {chunk!r}")
+    return [done] + list(range(done + (size - done) % chunk or done + chunk, size + 1, chunk))
 
 
 @torch.no_grad()
@@ -12,32 +49,29 @@ def teacher_forced_logits(model, input_ids: torch.Tensor, *, prefill: int = 0, c
     """Logits ``[B, S, V]`` of feeding ``input_ids`` through a fresh :class:`KVpopCache`.
 
     The first ``prefill`` tokens go in one call, the rest ``chunk`` tokens per call (``chunk=1``: decoding).
-    For a static policy this must equal one masked forward (METHOD §5); dynamic policies (TOVA, H2O) only run here.
+    For a static policy this must equal one masked forward (METHOD §5); dynamic policies (TOVA, H2O) only run here,
+    token by token inside every call (``dynamic_chunks=False``), so their logits do not depend on the calls.
     ``graphed`` (CUDA, ``chunk=1``, no padding): the decoding steps replay one captured CUDA graph
     (:class:`GraphedDecoder`) instead of launching every layer's kernels from Python — what makes a dynamic
     policy's token-by-token pass over thousands of tokens affordable.
     """
     if graphed:
         return _graphed_logits(model, input_ids, max(prefill, 1), chunk, attention_mask)
-    cache = KVpopCache(model)
+    cache = KVpopCache(model, dynamic_chunks=False)
     size = input_ids.shape[1]
     bounds = ([0, prefill] if prefill > 0 else [0]) + list(range(max(prefill, 0) + chunk, size, chunk)) + [size]
     bounds = sorted(set(b for b in bounds if 0 <= b <= size))
-    logits = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        mask = None if attention_mask is None else attention_mask[:, :end]
-        out = model(input_ids=input_ids[:, start:end], attention_mask=mask, use_cache=True, **{CACHE_KWARG: cache})
-        logits.append(out.logits)
-    return torch.cat(logits, dim=1)
+    return torch.cat([_forward(model, cache, input_ids, start, end, attention_mask).logits
+                      for start, end in zip(bounds[:-1], bounds[1:])], dim=1)
 
 
 def _graphed_logits(model, input_ids, prefill, chunk, attention_mask):
     if not input_ids.is_cuda or chunk != 1 or attention_mask is not None:
         raise ValueError("graphed teacher forcing needs CUDA inputs, chunk=1 and no padding mask")
-    cache = KVpopCache(model)
+    cache = KVpopCache(model, dynamic_chunks=False)
     size = input_ids.shape[1]
     prefill = min(prefill, size)
-    logits = [model(input_ids=input_ids[:, :prefill], use_cache=True, **{CACHE_KWARG: cache}).logits]
+    logits = [_forward(model, cache, input_ids, 0, prefill).logits]
     if prefill < size:
         decoder = GraphedDecoder(model, cache)
         rows = torch.arange(len(input_ids), device=input_ids.device)[:, None]
@@ -57,6 +91,7 @@ def capture_graph(step, *, warmup: int = 2, restore=None):
     torch.cuda.current_stream().wait_stream(side)
     if restore is not None:
         restore()
+    torch.cuda.empty_cache()  # the graph gets a private memory pool: give it back what the warm-up left cached
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         output = step()
@@ -68,11 +103,13 @@ class GraphedDecoder:
 
     The fixed cache has static shapes and updates its buffers in place, so the whole step — every layer's eviction,
     scorer step and attention — replays without a Python launch per kernel. Each call is exactly one step: the
-    warm-up that capture needs runs on a snapshot of the cache, which is then restored.
+    warm-up that capture needs runs on a snapshot of the cache, which is then restored. ``snapshot=False`` (serving
+    benchmarks at the memory limit, where a second copy of the cache does not fit) skips the snapshot: the
+    warm-up steps then stay in the cache as ``warmup`` extra tokens before the first call's.
     """
 
-    def __init__(self, model, cache: KVpopCache, *, warmup: int = 2):
-        self.model, self.cache, self.warmup = model, cache, warmup
+    def __init__(self, model, cache: KVpopCache, *, warmup: int = 2, snapshot: bool = True):
+        self.model, self.cache, self.warmup, self.snapshot = model, cache, warmup, snapshot
         self.graph = None
 
     def _tensors(self):
@@ -86,12 +123,15 @@ class GraphedDecoder:
         return self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, **{CACHE_KWARG: self.cache}).logits
 
     def _capture(self):
-        snapshot = [t.clone() for t in self._tensors()]
-        columns = [layer.columns for layer in self.cache.layers]
+        saved = [t.clone() for t in self._tensors()] if self.snapshot else None
+        columns = [layer.columns + (0 if self.snapshot else self.warmup) for layer in self.cache.layers]
+        full = [layer.is_initialized and layer._filled() for layer in self.cache.layers]  # as the cache is now
 
         def restore():
-            for tensor, saved in zip(self._tensors(), snapshot):
-                tensor.copy_(saved)
+            for tensor, copy in zip(self._tensors(), saved or []):
+                tensor.copy_(copy)
+            for layer, flag in zip(self.cache.layers, full if self.snapshot else []):
+                layer.full = flag
 
         self.graph, self.logits = capture_graph(self._forward, warmup=self.warmup, restore=restore)
         for layer, count in zip(self.cache.layers, columns):

@@ -9,7 +9,9 @@ For logits at query position ``d`` (the prediction of token ``d + 1``), over the
   positions except the last one (``d = S − 1`` has no next token).
 
 :func:`compare_logits` returns *sums and counts* for one batch, so that sequences of any number aggregate exactly
-(token-weighted) with :func:`merge` and :func:`summarize`. Pure torch.
+(token-weighted) with :func:`merge` and :func:`summarize`. :func:`per_sequence` returns the same metrics as one
+mean per sequence: the per-item values that evaluation bootstraps (positions inside one sequence are not
+independent, sequences are). :func:`first_divergence` compares two generated continuations. Pure torch.
 """
 from __future__ import annotations
 
@@ -42,6 +44,24 @@ def compare_logits(policy_logits: torch.Tensor, dense_logits: torch.Tensor, inpu
     Returns ``{"top1_agreement", "kl", "token_acc", "token_acc_dense"}`` (sums) and ``{"positions", "labelled"}``
     (counts); turn them into means with :func:`summarize`.
     """
+    rows = _row_sums(policy_logits, dense_logits, input_ids, start, valid, chunk)
+    return {key: (int(value.sum()) if key in ("positions", "labelled") else float(value.sum()))
+            for key, value in rows.items()}
+
+
+@torch.no_grad()
+def per_sequence(policy_logits: torch.Tensor, dense_logits: torch.Tensor, input_ids: torch.Tensor | None = None,
+                 *, start: int = 0, valid: torch.Tensor | None = None, chunk: int = 256) -> list[dict[str, float]]:
+    """The metrics of :func:`compare_logits` as one mean per sequence (row): ``[{"top1_agreement", "kl",
+    "token_acc", "token_acc_dense", "positions", "labelled"}]``, NaN where a row has no position to count."""
+    rows = _row_sums(policy_logits, dense_logits, input_ids, start, valid, chunk)
+    batch = rows["positions"].shape[0]
+    return [summarize({key: (int(value[b]) if key in ("positions", "labelled") else float(value[b]))
+                       for key, value in rows.items()}) for b in range(batch)]
+
+
+def _row_sums(policy_logits, dense_logits, input_ids, start, valid, chunk) -> dict[str, torch.Tensor]:
+    """Per-row sums (float64 ``[B]``) and counts (int64 ``[B]``): the one implementation of the metrics."""
     if policy_logits.shape != dense_logits.shape:
         raise ValueError(f"policy logits {tuple(policy_logits.shape)} and dense logits {tuple(dense_logits.shape)} "
                          f"differ: compare the same tokens")
@@ -62,7 +82,7 @@ def compare_logits(policy_logits: torch.Tensor, dense_logits: torch.Tensor, inpu
     labelled[:, -1] = False  # the last position predicts a token that is not there
     if valid is not None:  # the next token must be real too
         labelled[:, :-1] &= valid[:, 1:].to(device=device, dtype=torch.bool)
-    sums = dict.fromkeys(SUM_KEYS, 0.0)
+    sums = {key: torch.zeros(batch, dtype=torch.float64, device=device) for key in SUM_KEYS}
     for lo in range(0, size, chunk):
         hi = min(size, lo + chunk)
         k = keep[:, lo:hi]
@@ -71,19 +91,31 @@ def compare_logits(policy_logits: torch.Tensor, dense_logits: torch.Tensor, inpu
         pol = policy_logits[:, lo:hi].float()
         den = dense_logits[:, lo:hi].float()
         top_pol, top_den = pol.argmax(-1), den.argmax(-1)
-        sums["top1_agreement"] += float(((top_pol == top_den) & k).sum())
+        sums["top1_agreement"] += ((top_pol == top_den) & k).sum(-1)
         log_p = torch.log_softmax(den, -1)
         log_q = torch.log_softmax(pol, -1)
         kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [B, chunk]
-        sums["kl"] += float(torch.where(k, kl, 0.0).double().sum())
+        sums["kl"] += torch.where(k, kl, 0.0).double().sum(-1)
         if input_ids is not None:
             lab = labelled[:, lo:hi]
             nxt = input_ids.to(device)[:, lo + 1:hi + 1]
             if nxt.shape[1] < hi - lo:  # the last chunk: pad the missing next token (never counted)
                 nxt = torch.cat([nxt, nxt.new_full((batch, hi - lo - nxt.shape[1]), -1)], 1)
-            sums["token_acc"] += float(((top_pol == nxt) & lab).sum())
-            sums["token_acc_dense"] += float(((top_den == nxt) & lab).sum())
-    return {**sums, "positions": int(keep.sum()), "labelled": int(labelled.sum()) if input_ids is not None else 0}
+            sums["token_acc"] += ((top_pol == nxt) & lab).sum(-1)
+            sums["token_acc_dense"] += ((top_den == nxt) & lab).sum(-1)
+    counts = {"positions": keep.sum(-1).cpu(),
+              "labelled": labelled.sum(-1).cpu() if input_ids is not None else torch.zeros(batch, dtype=torch.long)}
+    return {**{key: value.cpu() for key, value in sums.items()}, **counts}
+
+
+def first_divergence(generated, reference) -> int:
+    """The index of the first token where two continuations differ; the shorter length if one is a prefix of the
+    other (equal continuations: their length). Token ids as lists or 1-D tensors."""
+    a, b = list(map(int, generated)), list(map(int, reference))
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
 
 
 def merge(stats: list[dict] | tuple[dict, ...]) -> dict[str, float]:

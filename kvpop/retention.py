@@ -149,14 +149,20 @@ def visible(priority: torch.Tensor, budget: Budget) -> torch.Tensor:
     return mask.expand(*priority.shape[:-1], size, size)
 
 
-def with_recency(priority: torch.Tensor, recency: float) -> torch.Tensor:
-    """``priority[t] + recency * t`` (METHOD §3): ranks like a decay in ``d - t`` and stays static."""
+def with_recency(priority: torch.Tensor, recency: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``priority[t] + recency * t`` (METHOD §3): ranks like a decay in ``d - t`` and stays static.
+
+    The one implementation of the recency term: the policies rank the student by it (mask and cache alike) and the
+    training objective ranks the teacher by it. ``positions`` (broadcastable to ``priority``) are the tokens'
+    sequence positions when the entries are not ``0 … S-1`` (a cache's slots, a chunk).
+    """
     if recency < 0:
         raise ValueError(f"recency must be >= 0, got {recency}")
     if recency == 0:
         return priority
-    pos = torch.arange(priority.shape[-1], device=priority.device, dtype=priority.dtype)
-    return priority + recency * pos
+    if positions is None:
+        positions = torch.arange(priority.shape[-1], device=priority.device)
+    return priority + recency * positions.to(priority.dtype)
 
 
 def kept_counts(eviction: torch.Tensor, budget: Budget) -> torch.Tensor:

@@ -3,7 +3,9 @@
 Retrofitting attaches one scorer per attention layer (``self_attn.kvpop_scorer``), a shared :class:`Runtime`, and
 switches the model's attention implementation to ``"kvpop"`` through transformers' ``AttentionInterface`` and
 ``AttentionMaskInterface`` registries. ``save_retrofitted`` / ``load_retrofitted`` round-trip it through a plain
-folder: the base model as transformers saves it, plus ``kvpop.json`` and ``kvpop_scorers.safetensors``.
+folder: ``kvpop.json`` and ``kvpop_scorers.safetensors``, plus either the base model as transformers saves it (format 1)
+or, when the base weights did not change (scorer-only training), the base folder's path and weights digest instead
+of a second copy of the weights (format 2).
 """
 from __future__ import annotations
 
@@ -16,20 +18,20 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 
 from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
+from kvpop.dms import DMSGate, attach_gates
+from kvpop.files import weights_digest
+from kvpop.decode import chunk_bounds, prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
-try:
-    from transformers.masking_utils import AttentionMaskInterface
-except ImportError:  # pragma: no cover - very old transformers
-    AttentionMaskInterface = None
-
 ATTN_NAME = "kvpop"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # base weights + scorers in one folder
+SCORER_ONLY_FORMAT_VERSION = 2  # scorers + the base model's identity (its folder and weights digest)
 CONFIG_FILE = "kvpop.json"
 SCORERS_FILE = "kvpop_scorers.safetensors"
 
@@ -48,13 +50,15 @@ class Runtime:
     oracle: torch.Tensor | None = None  # [layers, B, Hkv, S] teacher targets for the oracle policy
     collected: dict | None = None  # layer -> ranked priorities (with grad) of the last forward
     pending: dict = field(default_factory=dict)  # layer -> cache layer whose update awaits its attention call
-    compile_decode: bool = False  # torch.compile the per-layer decoding step (fuses ~100 small kernels per layer)
+    compile_decode: bool = False  # torch.compile each layer's decoding step (fuses ~100 small kernels per layer)
+    # generate() feeds a longer prompt in chunks of this many columns, each compressed into the B slots before the
+    # next (bounded prefill: K/V memory peaks at B + chunk per layer, not at the prompt's length)
+    prefill_chunk: int = 2048
 
 
 def _register() -> None:
     AttentionInterface.register(ATTN_NAME, kvpop_attention_forward)
-    if AttentionMaskInterface is not None:
-        AttentionMaskInterface.register(ATTN_NAME, passthrough_mask)
+    AttentionMaskInterface.register(ATTN_NAME, passthrough_mask)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -109,9 +113,13 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
         if (budget or pol.budget) is None:
             raise ValueError("a scorer reads priorities `window` tokens late: pass a budget to retrofit it")
         window = (budget or pol.budget).window
-        spec = {"name": scorer, **(scorer_options or {})}
-        for module in layers:
-            module.kvpop_scorer = build_scorer(scorer, kv_heads, head_dim, window, **(scorer_options or {})).to(device)
+        options = scorer_options or {}
+        spec = {"name": scorer, **options}
+        if scorer == DMSGate.name:  # DMS's gates read the layers' hidden states, not [k; v]
+            attach_gates(layers, model.config.hidden_size, kv_heads, window, device, **options)
+        else:
+            for module in layers:
+                module.kvpop_scorer = build_scorer(scorer, kv_heads, head_dim, window, **options).to(device)
     base_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     runtime = Runtime(pol, num_layers, heads, kv_heads, head_dim, base_impl, spec)
     for module in layers:
@@ -123,12 +131,29 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
     return model
 
 
-def _generate_with_kvpop_cache(self, *args, **kwargs):
-    """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache)."""
-    if self.kvpop_runtime.policy.budget is not None and kwargs.get("past_key_values") is None \
-            and kwargs.get("cache") is None:
-        kwargs[CACHE_KWARG] = KVpopCache(self)
-    return type(self).generate(self, *args, **kwargs)
+def _generate_with_kvpop_cache(self, inputs=None, *args, prefill_chunk: int | None = None, **kwargs):
+    """``generate`` with a fresh fixed-budget cache unless the caller brings one (dense keeps DynamicCache), and a
+    bounded prefill: a prompt longer than ``prefill_chunk`` columns (default ``Runtime.prefill_chunk``) goes through
+    the cache in chunks of that many, counted back from its end (:func:`kvpop.decode.prefill`), the last of them in
+    transformers' own first forward. ``prefill_chunk=1`` prefills token by token, exactly as decoding."""
+    if self.kvpop_runtime.policy.budget is None:
+        return type(self).generate(self, inputs, *args, **kwargs)
+    given = [kwargs.pop(name, None) for name in ("past_key_values", "cache")]
+    cache = next((c for c in given if c is not None), None)
+    cache = kwargs[CACHE_KWARG] = KVpopCache(self) if cache is None else cache
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    if torch.is_tensor(ids) and ids.dim() == 2 and isinstance(cache, KVpopCache):
+        chunk = prefill_chunk if prefill_chunk is not None else self.kvpop_runtime.prefill_chunk
+        bounds = chunk_bounds(cache.get_seq_length(), ids.shape[1], chunk)
+        if len(bounds) > 2:  # all but the last chunk here; transformers' first forward takes the last
+            end = bounds[-2]
+            mask = kwargs.get("attention_mask")
+            if mask is None:
+                mask = kwargs["attention_mask"] = torch.ones_like(ids)
+            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate computes them
+            prefill(self, ids[:, :end], cache=cache, chunk=chunk, attention_mask=mask[:, :end],
+                    position_ids=positions[:, :end])
+    return type(self).generate(self, inputs, *args, **kwargs)
 
 
 
@@ -206,26 +231,40 @@ def _describe(model: nn.Module) -> dict:
     }
 
 
-def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None) -> Path:
-    """Save base weights (as transformers saves them), ``kvpop.json`` and the scorer weights into ``path``."""
+def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None, *, base: str | Path | None = None,
+                     base_sha256: str | None = None) -> Path:
+    """Save a retrofitted model into ``path``: ``kvpop.json``, the scorer weights and, unless ``base`` is given, the
+    base weights as transformers saves them (a folder plain transformers loads too).
+
+    ``base``: the folder holding this model's base weights unchanged (scorer-only training froze them). Then no
+    second copy of the base is written; ``kvpop.json`` records the folder and the digest of its weights, and
+    :func:`load_retrofitted` loads the base from there (or from a folder given to it) and checks the digest.
+    ``base_sha256``: that digest (:func:`kvpop.files.weights_digest`) if the caller has it, else it is computed.
+    """
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     runtime = runtime_of(model)
-    base_state = {k: v for k, v in model.state_dict().items() if ".kvpop_scorer." not in k}
-    model.config._attn_implementation = runtime.base_attn_implementation  # loadable without KVpop
-    try:
-        model.save_pretrained(path, state_dict=base_state)
-    finally:
-        model.config._attn_implementation = ATTN_NAME
+    meta = _describe(model)
+    if base is not None:
+        base = Path(base).expanduser().resolve()
+        meta.update(format_version=SCORER_ONLY_FORMAT_VERSION,
+                    base={"path": str(base), "weights_sha256": base_sha256 or weights_digest(base)})
+    else:
+        base_state = {k: v for k, v in model.state_dict().items() if ".kvpop_scorer." not in k}
+        model.config._attn_implementation = runtime.base_attn_implementation  # loadable without KVpop
+        try:
+            model.save_pretrained(path, state_dict=base_state)
+        finally:
+            model.config._attn_implementation = ATTN_NAME
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     if runtime.scorer_spec is not None:
         weights = {f"layers.{i}.{k}": v.detach().cpu().contiguous() for i, m in enumerate(attention_modules(model))
                    for k, v in m.kvpop_scorer.state_dict().items()}
         save_file(weights, str(path / SCORERS_FILE))
-    (path / CONFIG_FILE).write_text(json.dumps(_describe(model), indent=2))
+    (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return path
 
 
@@ -255,17 +294,42 @@ def load_scorers(model: nn.Module, path: str | Path) -> None:
                              f"retrofit with the scorer options they were trained with") from None
 
 
-def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """``(model, tokenizer_or_None)`` from a folder written by :func:`save_retrofitted`; no remote code."""
+def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: bool) -> Path:
+    """Where a folder's base weights are: itself, or (scorer-only format) the recorded or given base folder."""
+    recorded = meta.get("base")
+    if recorded is None:
+        return path
+    folder = Path(base).expanduser() if base is not None else Path(recorded["path"])
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{path} holds scorers only; its base model {folder} is missing: pass base=<a folder "
+                                f"with the same weights> (recorded weights sha256 {recorded['weights_sha256'][:12]}…)")
+    if verify_base and weights_digest(folder) != recorded["weights_sha256"]:
+        raise ValueError(f"the base model at {folder} is not the one the scorers in {path} were trained on (weights "
+                         f"sha256 differs from the recorded {recorded['weights_sha256'][:12]}…): pass base=<the "
+                         f"original base folder>")
+    return folder
+
+
+def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     base: str | Path | None = None, verify_base: bool = True):
+    """``(model, tokenizer_or_None)`` from a folder written by :func:`save_retrofitted`; local files only, no remote
+    code.
+
+    A scorer-only folder (saved with ``base=``) loads its base model from ``base`` or else from the recorded folder,
+    after checking that folder's weights digest against the recorded one (``verify_base=False`` skips the check, which
+    reads every weight file once).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
     if not (path / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: it is not a folder written by kvpop.save_retrofitted")
     meta = json.loads((path / CONFIG_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: kvpop format {meta.get('format_version')}, this version reads {FORMAT_VERSION}")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True).to(device)
+    if meta.get("format_version") not in (FORMAT_VERSION, SCORER_ONLY_FORMAT_VERSION):
+        raise ValueError(f"{path}: kvpop format {meta.get('format_version')}, this version reads {FORMAT_VERSION} "
+                         f"and {SCORER_ONLY_FORMAT_VERSION}")
+    folder = _base_folder(path, meta, base, verify_base)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True).to(device)
     budget = Budget(**meta["budget"]) if meta["budget"] else None
     spec = dict(meta["scorer"]) if meta["scorer"] else None
     name = spec.pop("name") if spec else None
@@ -276,6 +340,8 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     if spec is not None or name is not None:
         load_scorers(model, path)
     tokenizer = None
-    if (path / "tokenizer_config.json").is_file():
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    for candidate in (path, folder):
+        if (candidate / "tokenizer_config.json").is_file():
+            tokenizer = AutoTokenizer.from_pretrained(candidate, local_files_only=True)
+            break
     return model, tokenizer

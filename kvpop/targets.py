@@ -15,12 +15,9 @@ import functools
 import math
 
 import torch
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
-try:  # torch >= 2.9
-    from torch.nn.attention.flex_attention import AuxRequest
-except ImportError:  # pragma: no cover - older torch
-    AuxRequest = None
+from kvpop.attention import flex
 
 GROUP_REDUCTIONS = ("max", "mean", "sum")
 
@@ -39,25 +36,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, window: int) -> tuple[int, int, int
     return b, hq, hkv, s, d
 
 
-def _flex(*args, **kwargs):
-    """Compiled FlexAttention on CUDA (one compiled callable for the process); eager elsewhere."""
-    if args[0].is_cuda:
-        return _compiled_flex()(*args, **kwargs)
-    return flex_attention(*args, **kwargs)
-
-
-@functools.cache
-def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=False)
-
-
 def _flex_with_lse(q, k, v, score_mod, block_mask, scale):
-    if AuxRequest is not None:
-        _, aux = _flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                       return_aux=AuxRequest(lse=True))
-        return aux.lse
-    _, lse = _flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=True)
-    return lse
+    """The row LSE of one FlexAttention call (the guarded compiled kernel on CUDA, eager on CPU)."""
+    _, aux = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, return_aux=AuxRequest(lse=True))
+    return aux.lse
 
 
 @functools.lru_cache(maxsize=32)

@@ -1,30 +1,31 @@
 """Pipeline configuration: YAML presets mapped onto frozen dataclasses, overridable with ``--set key=value``.
 
-Every stage reads one :class:`PipelineConfig`. Unknown keys and wrong types are :class:`ConfigError`s (the CLIs turn
-them into a one-line message and exit code 2). :func:`fingerprint` hashes the parts of a config a stage's output
-depends on, so outputs live under paths that never mix two configurations.
+Every stage reads one :class:`PipelineConfig`. Each section checks its own values as it is built (``__post_init__``;
+the ``budget`` section is :class:`kvpop.Budget` itself) and :class:`PipelineConfig` checks the rules between sections.
+Unknown keys, wrong types and failed checks are :class:`ConfigError`s (:mod:`pipelines.schema` builds the dataclasses
+from YAML; the CLIs turn the error into a one-line message and exit code 2). :func:`fingerprint` hashes the parts of
+a config a stage's output depends on, so outputs live under paths that never mix two configurations.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 import os
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
 from kvpop.budget import Budget
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-class ConfigError(ValueError):
-    """A configuration the user must fix: the message says what and how."""
+from kvpop.parameters import TRAIN_MODES
+from kvpop.policies import POLICIES
+from kvpop.scorers import SCORERS
+from pipelines.models import REPO_ROOT, kvpop_home, smollm2_dir
+from pipelines.schema import ConfigError, build, parse_override, set_path
+from pipelines.recall.spec import TASKS  # the recall-task registry: imports no pipeline stage
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,11 @@ class ModelConfig:
     path: str = "smollm2"  # a local HF folder, or "smollm2" for the prepared SmolLM2-135M-Instruct
     dtype: str = "float32"  # float32 | bfloat16 | float16
 
+    def __post_init__(self):
+        _require([(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype must be float32, bfloat16 or float16")])
+
     def resolved_path(self) -> Path:
-        if self.path == "smollm2":
-            from kvpop.pretrained import smollm2_dir
-            return smollm2_dir()
-        return Path(self.path).expanduser()
+        return smollm2_dir() if self.path == "smollm2" else Path(self.path).expanduser()
 
 
 @dataclass(frozen=True)
@@ -48,19 +49,17 @@ class DataConfig:
     split: str = "train"
     seq_len: int = 512
     num_sequences: int = 16  # training sequences (SmolLM2 teacher on 2 busy CPU cores: ~4 s per 512-token sequence)
-    eval_sequences: int = 4  # held-out sequences (disjoint documents)
+    eval_sequences: int = 8  # held-out sequences (disjoint documents): the items of the evaluation's intervals
     packing: bool = True  # concatenate documents with EOS and cut into seq_len pieces; else truncate/drop short docs
     seed: int = 0
 
+    def __post_init__(self):
+        _require([(self.seq_len >= 8, "data.seq_len must be >= 8"),
+                  (self.num_sequences >= 1, "data.num_sequences must be >= 1"),
+                  (self.eval_sequences >= 0, "data.eval_sequences must be >= 0")])
 
-@dataclass(frozen=True)
-class BudgetConfig:
-    sink: int = 4
-    window: int = 64  # the default run's budget B = 100 of S = 512 (CR 80%)
-    topk: int = 32
 
-    def budget(self) -> Budget:
-        return Budget(self.sink, self.window, self.topk)
+DEFAULT_BUDGET = Budget(sink=4, window=64, topk=32)  # the default run's B = 100 of S = 512 (CR 80%)
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,14 @@ class PrecomputeConfig:
     num_gpus_per_actor: float = 0.0  # > 0: the teacher runs on CUDA (GPU clusters); 0: on CPU
     num_cpus_per_actor: float = 2.0  # Ray CPUs per teacher actor; also its torch thread count
     output_root: str = ""  # default: $KVPOP_HOME/targets
+
+    def __post_init__(self):
+        _require([(all(w >= 1 for w in self.windows), "precompute.windows must all be >= 1"),
+                  (self.top_k >= 1, "precompute.top_k must be >= 1"),
+                  (self.group_reduce in ("max", "mean", "sum"), "precompute.group_reduce must be max, mean or sum"),
+                  (self.sequences_per_shard >= 1, "precompute.sequences_per_shard must be >= 1"),
+                  (self.batch_size >= 1 and self.num_actors >= 1, "precompute.batch_size and precompute.num_actors "
+                                                                  "must be >= 1")])
 
 
 @dataclass(frozen=True)
@@ -98,10 +105,49 @@ class TrainConfig:
     checkpoint_every: int = 10  # steps between torch.distributed.checkpoint saves (and the last step)
     max_failures: int = 1  # Ray Train FailureConfig: worker-group restarts from the last checkpoint
     log_every: int = 1  # steps between MLflow metric points / progress lines
-    targets: str = ""  # a precomputed target directory; default: the precompute stage's output for this config
+    targets: str = ""  # a precomputed target directory; default: the one the precompute stage recorded for this config
     fail_at_step: int = 0  # fault injection for drills/tests: raise once per run at this step (0 = never)
     run_name: str = ""  # default: derived from the config hash, so a restart resumes
     output_root: str = ""  # default: $KVPOP_HOME/runs
+
+    # settings that do not change what is optimised: left out of the run-name hash so a restart resumes
+    OPERATIONAL: ClassVar[tuple[str, ...]] = (
+        "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "checkpoint_every",
+        "max_failures", "log_every", "targets", "fail_at_step", "run_name", "output_root")
+
+    def __post_init__(self):
+        _require([
+            (self.scorer in SCORERS, f"train.scorer: unknown scorer {self.scorer!r}; known: {', '.join(sorted(SCORERS))}"),
+            (self.mode in TRAIN_MODES, f"train.mode must be one of {', '.join(TRAIN_MODES)}"),
+            (self.loss_weight in ("none", "margin"), "train.loss_weight must be none or margin"),
+            (self.strategy in ("auto", "fsdp", "none"), "train.strategy must be auto, fsdp or none"),
+            (self.precision in ("auto", "fp32", "bf16"), "train.precision must be auto, fp32 or bf16"),
+            (self.precision != "bf16" or self.use_gpu, "train.precision=bf16 is for GPUs: use fp32 (or auto) on CPU"),
+            (self.num_workers >= 1 and self.checkpoint_every >= 1 and self.log_every >= 1,
+             "train.num_workers, train.checkpoint_every and train.log_every must be >= 1"),
+            (self.steps >= 1 and self.batch_size >= 1, "train.steps and train.batch_size must be >= 1"),
+            (self.tau > 0 and self.lr > 0, "train.tau and train.lr must be > 0"),
+            (self.recency >= 0, "train.recency must be >= 0"),
+            (self.cpus_per_worker > 0, "train.cpus_per_worker must be > 0"),
+        ])
+
+    @property
+    def resolved_strategy(self) -> str:
+        """``fsdp`` (FSDP2) on GPUs or several workers, else ``none`` (a plain module), unless set explicitly."""
+        if self.strategy != "auto":
+            return self.strategy
+        return "fsdp" if self.use_gpu or self.num_workers > 1 else "none"
+
+    @property
+    def resolved_precision(self) -> str:
+        """``bf16`` compute on GPUs, ``fp32`` on CPU, unless set explicitly."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if self.use_gpu else "fp32"
+
+    def optimisation(self) -> dict[str, Any]:
+        """The settings that change what is optimised (everything but :attr:`OPERATIONAL`)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.OPERATIONAL}
 
 
 @dataclass(frozen=True)
@@ -124,20 +170,66 @@ class SweepConfig:
     name: str = ""  # default: <config name>-sweep-<UTC time>; the Tune experiment and the parent MLflow run
     output_root: str = ""  # default: $KVPOP_HOME/sweeps
 
+    METRICS: ClassVar[tuple[str, ...]] = ("loss", "ret_loss", "kl", "boundary_acc")  # what a training step reports
+    # train.* keys the sweep sets in its trials (not sweepable through sweep.grid)
+    OWNED: ClassVar[tuple[str, ...]] = ("scorer", "lr", "steps", "targets", "run_name", "output_root", "fail_at_step")
+
+    def __post_init__(self):
+        """The sweep section on its own; :func:`pipelines.sweep.plan` checks it against the rest (windows, targets)."""
+        for name in self.scorers:
+            _require([(name in SCORERS, f"sweep.scorers: unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")])
+        _require([
+            (all(lr > 0 for lr in self.lrs), "sweep.lrs must all be > 0"),
+            (not (self.lrs and self.lr_range), "sweep.lrs and sweep.lr_range exclude each other: give a grid or a range"),
+            (len(self.lr_range) in (0, 2) and (not self.lr_range or 0 < self.lr_range[0] < self.lr_range[1]),
+             "sweep.lr_range must be [low, high] with 0 < low < high"),
+            (self.num_samples >= 1, "sweep.num_samples must be >= 1"),
+            (self.num_samples == 1 or bool(self.lr_range), "sweep.num_samples > 1 repeats identical trials unless "
+                                                           "sweep.lr_range samples the learning rate"),
+            (self.max_concurrent_trials >= 1, "sweep.max_concurrent_trials must be >= 1"),
+            (self.steps >= 1, "sweep.steps must be >= 1"),
+            (1 <= self.grace_period <= self.steps, "sweep.grace_period must be between 1 and sweep.steps"),
+            (self.reduction_factor >= 2, "sweep.reduction_factor must be >= 2"),
+            (self.metric in self.METRICS, f"sweep.metric must be one of {', '.join(self.METRICS)}"),
+            (self.mode in ("min", "max"), "sweep.mode must be min or max"),
+            (all(isinstance(v, list) and v for v in self.grid.values()),
+             "sweep.grid maps train.* keys to non-empty lists"),
+        ])
+        known = {f.name for f in dataclasses.fields(TrainConfig)}
+        for key in self.grid:
+            section, _, name = str(key).partition(".")
+            if section != "train" or name not in known:
+                raise ConfigError(f"sweep.grid: {key!r} is not a train.* key (known: train."
+                                  f"{', train.'.join(sorted(known))})")
+            if name in self.OWNED:
+                raise ConfigError(f"sweep.grid: {key} is set by the sweep itself (use sweep.scorers / sweep.lrs / "
+                                  f"sweep.steps)")
+
 
 @dataclass(frozen=True)
 class EvalConfig:
+    """pipelines/evaluate.py: every policy × budget on held-out text, recall tasks and long generation, with 95 %
+    bootstrap intervals over items and paired differences (pipelines/stats.py)."""
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
-    budgets: tuple[int, ...] = ()  # total budgets B; empty: the training budget only
-    compression_ratios: tuple[float, ...] = ()  # alternatively CR = 1 - B / seq_len
-    tasks: tuple[str, ...] = ("kv_retrieval", "variable_tracking", "arithmetic")
-    task_samples: int = 4  # per task
-    task_context: int = 384  # prompt length in tokens (the needle sits ~300 tokens back at 384)
-    max_new_tokens: int = 12  # greedy; the arithmetic answer " 4 + 9 = 13" takes 9 tokens
+    budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
+    compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
+    #                                     is below sink + window is reported as unreachable. Neither set: training B
+    tasks: tuple[str, ...] = ("niah_single", "niah_multikey_2", "variable_tracking_1")  # pipelines/recall
+    task_contexts: tuple[int, ...] = (384,)  # prompt lengths in tokens
+    task_depths: tuple[float, ...] = (0.5,)  # where the needle sits, as a fraction of the filler
+    task_samples: int = 4  # per (task, context, depth) cell; 0 = no recall tasks
+    task_min_dense: float = 0.9  # headline recall metrics: only cells where dense exact match >= this
+    max_new_tokens: int = 12  # greedy tokens per recall answer
+    generation_prompts: int = 4  # held-out champ problems for long free generation; 0 = none
+    generation_tokens: int = 64  # greedy tokens per long generation
+    resamples: int = 4000  # bootstrap resamples (fixed seed); exact enumeration when fewer distinct ones exist
     checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
     batch_size: int = 4  # held-out sequences per teacher-forced forward
-    generation_batch_size: int = 12  # task prompts per generate() call (left-padded)
+    generation_batch_size: int = 12  # prompts per left-padded generation batch
     dynamic_sequences: int = 0  # TOVA/H2O teacher-forced on the first N held-out sequences only; 0 = all
+
+    def __post_init__(self):
+        _validate_eval(self)
 
 
 @dataclass(frozen=True)
@@ -145,6 +237,9 @@ class RayConfig:
     address: str = ""  # "" = start a local cluster (or join RAY_ADDRESS when set)
     num_cpus: int = 4  # logical CPUs of a local cluster: oversubscribed on purpose (NOTES.md: Train+Data deadlock)
     no_progress_timeout_s: int = 600
+
+    def __post_init__(self):
+        _require([(self.num_cpus >= 1, "ray.num_cpus must be >= 1")])
 
 
 @dataclass(frozen=True)
@@ -159,7 +254,7 @@ class PipelineConfig:
     home: str = ""  # default: $KVPOP_HOME or <repo>/.kvpop
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    budget: Budget = DEFAULT_BUDGET  # YAML keys budget.sink / budget.window / budget.topk
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
@@ -168,14 +263,25 @@ class PipelineConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self):
-        _validate(self)
+        """Each section has checked itself; here, the rules between sections."""
+        budget = self.budget
+        if budget.window not in self.precompute.windows:
+            raise ConfigError(f"budget.window={budget.window} has no targets: add it to precompute.windows "
+                              f"(now {list(self.precompute.windows)})")
+        if budget.total > self.data.seq_len:
+            raise ConfigError(f"budget {budget} keeps {budget.total} tokens, more than data.seq_len="
+                              f"{self.data.seq_len}: nothing would be evicted")
+        for total in self.eval.budgets:
+            if total < budget.sink + budget.window:
+                raise ConfigError(f"eval.budgets: {total} is smaller than sink + window = "
+                                  f"{budget.sink + budget.window} (impossible budget)")
+        for ratio in self.eval.compression_ratios:
+            if not 0 <= ratio < 1:
+                raise ConfigError(f"eval.compression_ratios: {ratio} is not in [0, 1)")
 
     # -- derived locations ----------------------------------------------------------------------------------
     def home_dir(self) -> Path:
-        if self.home:
-            return Path(self.home).expanduser().resolve()
-        from kvpop.pretrained import kvpop_home
-        return Path(kvpop_home()).resolve()
+        return Path(self.home).expanduser().resolve() if self.home else Path(kvpop_home()).resolve()
 
     def tracking_uri(self) -> str:
         """``tracking.uri``, else ``$MLFLOW_TRACKING_URI`` (a cluster's head sets it: infra/), else the local sqlite."""
@@ -186,102 +292,13 @@ class PipelineConfig:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
 
-def _validate(cfg: PipelineConfig) -> None:
-    try:
-        cfg.budget.budget()
-    except ValueError as err:
-        raise ConfigError(f"budget: {err}") from None
-    if cfg.budget.window not in cfg.precompute.windows:
-        raise ConfigError(f"budget.window={cfg.budget.window} has no targets: add it to precompute.windows "
-                          f"(now {list(cfg.precompute.windows)})")
-    if cfg.budget.sink + cfg.budget.window + cfg.budget.topk > cfg.data.seq_len:
-        raise ConfigError(f"budget {cfg.budget.budget()} keeps {cfg.budget.budget().total} tokens, more than "
-                          f"data.seq_len={cfg.data.seq_len}: nothing would be evicted")
-    checks = [
-        (cfg.data.seq_len >= 8, "data.seq_len must be >= 8"),
-        (cfg.data.num_sequences >= 1, "data.num_sequences must be >= 1"),
-        (cfg.data.eval_sequences >= 0, "data.eval_sequences must be >= 0"),
-        (cfg.precompute.top_k >= 1, "precompute.top_k must be >= 1"),
-        (cfg.precompute.group_reduce in ("max", "mean", "sum"), "precompute.group_reduce must be max, mean or sum"),
-        (cfg.precompute.sequences_per_shard >= 1, "precompute.sequences_per_shard must be >= 1"),
-        (cfg.train.mode in ("scorer_only", "distill"), "train.mode must be scorer_only or distill"),
-        (cfg.train.loss_weight in ("none", "margin"), "train.loss_weight must be none or margin"),
-        (cfg.train.strategy in ("auto", "fsdp", "none"), "train.strategy must be auto, fsdp or none"),
-        (cfg.train.precision in ("auto", "fp32", "bf16"), "train.precision must be auto, fp32 or bf16"),
-        (cfg.train.num_workers >= 1 and cfg.train.checkpoint_every >= 1 and cfg.train.log_every >= 1,
-         "train.num_workers, train.checkpoint_every and train.log_every must be >= 1"),
-        (cfg.train.steps >= 1 and cfg.train.batch_size >= 1, "train.steps and train.batch_size must be >= 1"),
-        (cfg.train.tau > 0 and cfg.train.lr > 0, "train.tau and train.lr must be > 0"),
-        (cfg.model.dtype in ("float32", "bfloat16", "float16"), "model.dtype must be float32, bfloat16 or float16"),
-        (cfg.train.cpus_per_worker > 0, "train.cpus_per_worker must be > 0"),
-        (cfg.ray.num_cpus >= 1, "ray.num_cpus must be >= 1"),
-    ]
+def _require(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _validate_scorer(cfg.train.scorer, "train.scorer")
-    _validate_sweep(cfg.sweep)
-    for total in cfg.eval.budgets:
-        if total < cfg.budget.sink + cfg.budget.window:
-            raise ConfigError(f"eval.budgets: {total} is smaller than sink + window = "
-                              f"{cfg.budget.sink + cfg.budget.window} (impossible budget)")
-    for ratio in cfg.eval.compression_ratios:
-        if not 0 <= ratio < 1:
-            raise ConfigError(f"eval.compression_ratios: {ratio} is not in [0, 1)")
-    _validate_eval(cfg.eval)
-
-
-def _validate_scorer(name: str, where: str) -> None:
-    from kvpop.scorers import SCORERS
-
-    if name not in SCORERS:
-        raise ConfigError(f"{where}: unknown scorer {name!r}; known: {', '.join(sorted(SCORERS))}")
-
-
-SWEEP_METRICS = ("loss", "ret_loss", "kl", "boundary_acc")
-
-
-def _validate_sweep(sw: "SweepConfig") -> None:
-    """The sweep section on its own; pipelines.sweep.plan checks it against the rest (windows, targets, cluster)."""
-    for name in sw.scorers:
-        _validate_scorer(name, "sweep.scorers")
-    checks = [
-        (all(lr > 0 for lr in sw.lrs), "sweep.lrs must all be > 0"),
-        (not (sw.lrs and sw.lr_range), "sweep.lrs and sweep.lr_range exclude each other: give a grid or a range"),
-        (len(sw.lr_range) in (0, 2) and (not sw.lr_range or 0 < sw.lr_range[0] < sw.lr_range[1]),
-         "sweep.lr_range must be [low, high] with 0 < low < high"),
-        (sw.num_samples >= 1, "sweep.num_samples must be >= 1"),
-        (sw.num_samples == 1 or bool(sw.lr_range), "sweep.num_samples > 1 repeats identical trials unless "
-                                                   "sweep.lr_range samples the learning rate"),
-        (sw.max_concurrent_trials >= 1, "sweep.max_concurrent_trials must be >= 1"),
-        (sw.steps >= 1, "sweep.steps must be >= 1"),
-        (1 <= sw.grace_period <= sw.steps, "sweep.grace_period must be between 1 and sweep.steps"),
-        (sw.reduction_factor >= 2, "sweep.reduction_factor must be >= 2"),
-        (sw.metric in SWEEP_METRICS, f"sweep.metric must be one of {', '.join(SWEEP_METRICS)}"),
-        (sw.mode in ("min", "max"), "sweep.mode must be min or max"),
-        (all(isinstance(v, list) and v for v in sw.grid.values()), "sweep.grid maps train.* keys to non-empty lists"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    for key in sw.grid:
-        section, _, name = str(key).partition(".")
-        fields = {f.name for f in dataclasses.fields(TrainConfig)}
-        if section != "train" or name not in fields:
-            raise ConfigError(f"sweep.grid: {key!r} is not a train.* key (known: train.{', train.'.join(sorted(fields))})")
-        if name in SWEEP_OWNED:
-            raise ConfigError(f"sweep.grid: {key} is set by the sweep itself (use sweep.scorers / sweep.lrs / "
-                              f"sweep.steps)")
-
-
-# train.* keys the sweep sets in its trials (not sweepable through sweep.grid)
-SWEEP_OWNED = ("scorer", "lr", "steps", "targets", "run_name", "output_root", "fail_at_step")
 
 
 def _validate_eval(ev: "EvalConfig") -> None:
-    from kvpop.policies import POLICIES
-    from pipelines.tasks import TASKS
-
     for name in ev.policies:
         if name not in POLICIES:
             raise ConfigError(f"eval.policies: unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
@@ -292,112 +309,19 @@ def _validate_eval(ev: "EvalConfig") -> None:
         (ev.batch_size >= 1 and ev.generation_batch_size >= 1, "eval.batch_size and eval.generation_batch_size "
                                                                "must be >= 1"),
         (ev.dynamic_sequences >= 0, "eval.dynamic_sequences must be >= 0 (0 = all held-out sequences)"),
-        (ev.task_samples >= 0, "eval.task_samples must be >= 0 (0 = no free-generation tasks)"),
-        (ev.task_context >= 64, "eval.task_context must be >= 64 tokens"),
-        (ev.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
+        (ev.task_samples >= 0, "eval.task_samples must be >= 0 (0 = no recall tasks)"),
+        (all(c >= 64 for c in ev.task_contexts), "eval.task_contexts must all be >= 64 tokens"),
+        (all(0 <= d <= 1 for d in ev.task_depths), "eval.task_depths must all be in [0, 1] (a fraction of the "
+                                                   "context)"),
+        (not ev.task_samples or (ev.tasks and ev.task_contexts and ev.task_depths),
+         "eval.task_samples > 0 needs eval.tasks, eval.task_contexts and eval.task_depths"),
+        (0 <= ev.task_min_dense <= 1, "eval.task_min_dense must be in [0, 1]"),
+        (ev.max_new_tokens >= 1 and ev.generation_tokens >= 1, "eval.max_new_tokens and eval.generation_tokens "
+                                                               "must be >= 1"),
+        (ev.generation_prompts >= 0, "eval.generation_prompts must be >= 0 (0 = no long generation)"),
+        (ev.resamples >= 100, "eval.resamples must be >= 100 (bootstrap resamples)"),
     ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-
-
-# -----------------------------------------------------------------------------
-# building a config from YAML + overrides, with type checking
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return _build(hint, value, where)
-    if hint is Any:
-        return value
-    if origin is tuple:
-        args = typing.get_args(hint)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        inner = args[0] if args and args[-1] is Ellipsis else None
-        if inner is None:
-            if len(value) != len(args):
-                raise ConfigError(f"{where}: expected {len(args)} items, got {value!r}")
-            return tuple(_coerce(v, a, where) for v, a in zip(value, args))
-        return tuple(_coerce(v, inner, where) for v in value)
-    if hint is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(hint):
-            try:
-                return _coerce(value, option, where)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: {value!r} fits none of {hint}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
-    if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
-    if hint is type(None):
-        if value is None:
-            return None
-        raise ConfigError(f"{where}: expected null, got {value!r}")
-    raise ConfigError(f"{where}: unsupported type {hint}")
-
-
-def _build(cls, values: dict, where: str = ""):
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - names)
-    if unknown:
-        prefix = f"{where}." if where else ""
-        raise ConfigError(f"unknown key {prefix}{unknown[0]}; known keys here: {', '.join(sorted(names))}")
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k) for k, v in values.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError) as err:
-        raise ConfigError(f"{where or 'config'}: {err}") from None
-
-
-def _set_path(tree: dict, dotted: str, value: Any) -> None:
-    node = tree
-    parts = dotted.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"--set {dotted}: {part} is not a section")
-    node[parts[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """``"train.lr=1e-3"`` → ``("train.lr", 0.001)``; the value is parsed as YAML (so lists and bools work)."""
-    if "=" not in text:
-        raise ConfigError(f"--set expects key=value, got {text!r}")
-    key, raw = text.split("=", 1)
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError as err:
-        raise ConfigError(f"--set {key}: cannot parse {raw!r} ({err})") from None
-    return key.strip(), value
+    _require(checks)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
@@ -415,12 +339,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: the top level must be a mapping")
     for item in overrides:
         key, value = parse_override(item)
-        _set_path(tree, key, value)
-    return _build(PipelineConfig, tree)
+        set_path(tree, key, value)
+    return build(PipelineConfig, tree)
 
 
 def config_from_dict(values: dict) -> PipelineConfig:
-    return _build(PipelineConfig, values)
+    return build(PipelineConfig, values)
+
+
+def apply_overrides(tree: dict, overrides: dict[str, Any]) -> PipelineConfig:
+    """The config ``tree`` (a :meth:`PipelineConfig.to_dict`) with dotted overrides applied, validated."""
+    tree = copy.deepcopy(tree)
+    for key, value in overrides.items():
+        set_path(tree, key, value)
+    return config_from_dict(tree)
 
 
 def fingerprint(*parts: Any, length: int = 16) -> str:

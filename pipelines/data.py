@@ -31,14 +31,22 @@ from __future__ import annotations
 
 import json
 import random
+import sys
+import sysconfig
 import time
-import uuid
 from importlib import metadata
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import champ_dataset
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+from transformers import AutoTokenizer
+
+from kvpop.files import atomic_write_bytes, atomic_write_text
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
-from pipelines.identity import atomic_write_text, file_digest, folder_digest, tokenizer_digest
+from pipelines.identity import file_digest, folder_digest, tokenizer_digest
 
 SPLITS = ("train", "eval")
 DATA_FORMAT_VERSION = 1
@@ -65,8 +73,6 @@ def source_identity(cfg: PipelineConfig) -> dict:
         return {"kind": "champ", "package": "champ-dataset", "version": metadata.version("champ-dataset"),
                 "subset": "v0"}
     if source == "stdlib":
-        import sys
-
         return {"kind": "stdlib", "python": sys.version.split()[0], "implementation": sys.implementation.name}
     if is_local_source(source):
         path = Path(source).expanduser().resolve()
@@ -79,9 +85,7 @@ def source_identity(cfg: PipelineConfig) -> dict:
     return {"kind": "hub", "name": source, "split": cfg.data.split}
 
 
-def _champ_documents() -> list[tuple[str, str]]:
-    import champ_dataset
-
+def champ_documents() -> list[tuple[str, str]]:
     docs = []
     for problem_id, problem in champ_dataset.load("v0").problems.items():
         for key, conversation in problem.conversations.items():
@@ -93,9 +97,7 @@ def _champ_documents() -> list[tuple[str, str]]:
     return docs
 
 
-def _stdlib_documents() -> list[tuple[str, str]]:
-    import sysconfig
-
+def stdlib_documents() -> list[tuple[str, str]]:
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for path in sorted(root.rglob("*.py")):
@@ -110,8 +112,6 @@ def _stdlib_documents() -> list[tuple[str, str]]:
 
 
 def _load_local(path: Path, cfg: PipelineConfig):
-    import datasets
-
     cache_dir = str(cfg.home_dir() / "cache" / "hf-datasets")
     if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
                           or (path / "state.json").is_file()):
@@ -129,17 +129,19 @@ def _load_local(path: Path, cfg: PipelineConfig):
     kinds = {"parquet" if f.suffix == ".parquet" else "json" for f in files}
     if len(kinds) > 1:
         raise ConfigError(f"data.source {path} mixes parquet and json files: keep one format per source")
+    if all(f.stat().st_size == 0 for f in files):
+        raise ConfigError(f"data.source {path} is empty: it holds no documents; point data.source at a dataset with "
+                          f"text")
     try:
         return datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train",
                                      cache_dir=cache_dir)
     except Exception as err:  # malformed json/parquet
-        raise ConfigError(f"data.source {path}: cannot read it as a dataset ({type(err).__name__}: "
-                          f"{str(err).splitlines()[0] if str(err) else ''})") from None
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
+        raise ConfigError(f"data.source {path}: cannot read it as a dataset ({type(err).__name__}: {detail})") \
+            from None
 
 
 def _load_hub(cfg: PipelineConfig):
-    import datasets
-
     try:
         return datasets.load_dataset(cfg.data.source, split=cfg.data.split,
                                      cache_dir=str(cfg.home_dir() / "cache" / "hf-datasets"))
@@ -153,9 +155,9 @@ def load_documents(cfg: PipelineConfig) -> list[tuple[str, str]]:
     """``[(document id, text)]`` in the source's order (ids unique)."""
     source = cfg.data.source
     if source == "champ":
-        return _champ_documents()
+        return champ_documents()
     if source == "stdlib":
-        return _stdlib_documents()
+        return stdlib_documents()
     if is_local_source(source):
         path = Path(source).expanduser().resolve()
         if not path.exists():
@@ -250,8 +252,6 @@ def build_sequences(docs: list[tuple[str, str]], tokenizer, *, seq_len: int, num
 
 # ----------------------------------------------------------------------------------------------- cache
 def load_tokenizer(cfg: PipelineConfig):
-    from transformers import AutoTokenizer
-
     path = cfg.model.resolved_path()
     if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():
         raise ConfigError(f"model.path {path} has no tokenizer (tokenizer.json / tokenizer_config.json): "
@@ -273,23 +273,15 @@ def sequences_dir(cfg: PipelineConfig, tokenizer=None) -> Path:
 
 
 def _write_split(path: Path, rows: list[dict]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     table = pa.table({"id": pa.array([r["id"] for r in rows], pa.string()),
                       "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
                       "docs": pa.array([r["docs"] for r in rows], pa.list_(pa.string()))})
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")  # concurrent builders never share a temp file
-    try:
-        pq.write_table(table, tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
 
 
 def _read_split(path: Path) -> list[dict]:
-    import pyarrow.parquet as pq
-
     return pq.read_table(path).to_pylist()
 
 

@@ -1,61 +1,30 @@
-"""Content identities for cache keys: file digests (cached), teacher weights, tokenizers, data sources.
+"""Content identities for cache keys: file digests (cached), teacher weights, tokenizers.
 
-Expensive outputs live under paths derived from a hash of what they depend on (Levanter/Marin style). A digest
-of a large file (model weights, a corpus) is computed once and cached in ``$KVPOP_HOME/cache/sha256.json``, keyed by
-the file's absolute path, size and modification time, so asking again costs a ``stat``.
+Expensive outputs live under paths derived from a hash of what they depend on. A digest of a large file (model
+weights, a corpus) is computed once and cached in ``$KVPOP_HOME/cache/sha256.json``, keyed by the file's absolute
+path, size and modification time, so asking again costs a ``stat``.
 """
 from __future__ import annotations
 
-import fcntl
+import functools
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
+from kvpop.files import atomic_write_text, exclusive_lock, sha256_file
+from kvpop.files import weights_digest as _weights_digest
 from pipelines.config import PipelineConfig
 
 DIGEST_CACHE = "sha256.json"
 
 
-def _cache_file(home: Path) -> Path:
-    return Path(home) / "cache" / DIGEST_CACHE
-
-
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a synced temporary file and a rename: readers see all of it or nothing."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.tmp-")
+def _read_cache(cache: Path) -> dict:
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        entries = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
 
 
 def file_digest(path: str | os.PathLike, home: str | os.PathLike) -> str:
@@ -64,22 +33,13 @@ def file_digest(path: str | os.PathLike, home: str | os.PathLike) -> str:
     stat = path.stat()
     key = str(path)
     stamp = [stat.st_size, stat.st_mtime_ns]
-    cache = _cache_file(Path(home))
-    try:
-        entries = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        entries = {}
-    entry = entries.get(key)
+    cache = Path(home) / "cache" / DIGEST_CACHE
+    entry = _read_cache(cache).get(key)
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
         return entry["sha256"]
-    digest = _sha256(path)
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    with open(cache.with_suffix(".lock"), "w") as lock:  # concurrent writers merge instead of clobbering
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            entries = json.loads(cache.read_text())
-        except (OSError, ValueError):
-            entries = {}
+    digest = sha256_file(path)
+    with exclusive_lock(cache.with_suffix(".lock"), wait=True):  # concurrent writers merge instead of clobbering
+        entries = _read_cache(cache)
         entries[key] = {"stamp": stamp, "sha256": digest}
         atomic_write_text(cache, json.dumps(entries, indent=1, sort_keys=True))
     return digest
@@ -100,17 +60,8 @@ def folder_digest(path: str | os.PathLike, home: str | os.PathLike, *, suffixes:
 
 
 def weights_digest(model_dir: str | os.PathLike, home: str | os.PathLike) -> str:
-    """sha256 over a model folder's ``*.safetensors`` files and its ``config.json`` (the architecture)."""
-    model_dir = Path(model_dir)
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir} holds no *.safetensors weights: point model.path at a saved HF folder")
-    h = hashlib.sha256()
-    for name in ["config.json", *[f.name for f in files]]:
-        if (model_dir / name).is_file():
-            h.update(name.encode())
-            h.update(file_digest(model_dir / name, home).encode())
-    return h.hexdigest()
+    """:func:`kvpop.files.weights_digest` with the file digests cached under ``home``."""
+    return _weights_digest(model_dir, functools.partial(file_digest, home=home))
 
 
 def teacher_identity(cfg: PipelineConfig) -> dict:

@@ -1,49 +1,32 @@
 """Stage 2b: a Ray Tune sweep over training variants, each trial a Ray Train run, tracked as nested MLflow runs.
 
-``run(cfg)``, in the driver:
+**Grid.** ``sweep.scorers × sweep.lrs × sweep.budgets × sweep.grid`` (an empty axis is the config's own value), or
+``train.lr`` drawn log-uniformly from ``sweep.lr_range`` (``sweep.num_samples`` draws per point). A trial is the input
+config with its variant applied, ``train.steps = sweep.steps``, the verified targets and its own storage.
 
-1. **Plans and validates before anything is written** (:func:`plan`): the grid ``sweep.scorers × sweep.lrs ×
-   sweep.budgets × sweep.grid`` (each empty axis = the config's own value; ``sweep.lr_range`` samples ``train.lr``
-   log-uniformly instead, ``sweep.num_samples`` draws per grid point). Every trial's full config is built and
-   validated up front. Targets depend on the window only (METHOD §2), so the precomputed target directory must hold a
-   target column for **every window the sweep uses** — one error naming the missing windows otherwise. Then the
-   cluster must fit ``min(max_concurrent_trials, trials)`` trials with a CPU left for Ray Data (the Train+Data
-   deadlock of NOTES.md).
-2. Opens the **parent MLflow run** (stage ``sweep``, the whole config as params) and runs a ``ray.tune.Tuner`` over a
-   *function trainable* (the Ray Train V2 pattern — ``Tuner(TorchTrainer)`` is gone in Ray 2.60): each trial
+**Before anything is written** (:func:`plan`): every trial's config is built and validated; the targets (the
+precompute record's, or ``train.targets``) must match the config and hold a target column for every window the sweep
+uses (targets depend on the window only, METHOD §2). Then, on the joined cluster, ``min(max_concurrent_trials,
+trials)`` trials must fit with a CPU left for Ray Data.
 
-   * builds its config (``train.steps = sweep.steps``, the verified targets, its own storage under
-     ``<sweep dir>/trials/<sweep name>-<trial id>``),
-   * creates a **child MLflow run** (``mlflow.parentRunId`` = the parent; the whole trial config as params; tags
-     ``kvpop.sweep``, ``kvpop.trial_id``, ``kvpop.variant``) that rank 0 of the workers fills with metric histories,
-   * builds the train stage's ``TorchTrainer`` (:func:`pipelines.train.make_trainer`) with Tune's
-     ``TuneReportCallback`` and ``report_every_step``: every step's all-reduced metrics (``step``, ``loss``,
-     ``ret_loss``, ``kl``, ``boundary_acc``, ``tokens_per_s`` …) reach Tune, the checkpoint steps as usual with their
-     ``torch.distributed.checkpoint``; no final model is written (train the best config with the train stage),
-   * and fits it. The trial's Tune actor asks for 0.01 CPU (it only drives); its workers ask for
-     ``train.num_workers × train.cpus_per_worker``.
+**Trials.** A Tune function trainable per trial (the Ray Train V2 pattern; ``Tuner(TorchTrainer)`` is gone) builds
+the train stage's trainer (:func:`pipelines.train.make_spec`, :func:`pipelines.train.make_trainer`) with Tune's
+``TuneReportCallback`` and a report every step, and writes no final model. ASHA (``time_attr="step"``,
+``sweep.grace_period``, ``sweep.reduction_factor``, ``sweep.metric``/``sweep.mode``) stops weaker trials by ending
+their actors (``reuse_actors`` off: a reused actor would keep a stopped trial's training alive); a trial that reaches
+``sweep.steps`` ends by returning.
 
-   **ASHA** (``ASHAScheduler(time_attr="step", max_t=sweep.steps, grace_period=sweep.grace_period,
-   reduction_factor=sweep.reduction_factor)``, ``metric=sweep.metric``, ``mode=sweep.mode``) stops the weaker trials
-   at each rung: Tune ends the trial's actor, and with it the Ray Train controller and workers it owns (their
-   placement group is released; a fast trial may log a step or two more to MLflow meanwhile). A trial that reaches
-   ``sweep.steps`` ends by returning (``stop_last_trials=False``), not by being stopped. ``max_concurrent_trials``
-   bounds the TorchTrainer runs in flight; ``reuse_actors`` is off (a reused actor would keep a stopped trial's
-   training thread alive).
-3. After the sweep, closes every child run from Tune's view of its trial — ``FINISHED``, ``FAILED`` (tag
-   ``kvpop.error``), or ``KILLED`` with ``kvpop.early_stopped=true`` for ASHA-stopped trials; a trial's own actor
-   only ends its run when it returns or fails while still running — picks the best trial (``sweep.metric`` at each trial's last report) and writes the
-   **best config** — the input config with the winner's scorer, lr, budget and grid values, ``train.steps``
-   unchanged — as a loadable preset ``<sweep dir>/best.yaml`` (``python -m jobs.train --config …/best.yaml``), logged
-   to the parent run with a trial table (``sweep/trials.json``), ``best.<metric>`` and ``kvpop.best_*`` tags.
+**MLflow.** One parent run (stage ``sweep``) and a child run per trial (``mlflow.parentRunId``, the trial config as
+params, per-step histories). After the sweep every child run is closed from Tune's view of its trial: ``FINISHED``,
+``FAILED`` (tag ``kvpop.error``) or ``KILLED`` with ``kvpop.early_stopped=true``.
 
-Sweep directory: ``sweep.output_root`` (default ``$KVPOP_HOME/sweeps``) ``/<sweep name>/``, which is also Tune's
-experiment directory. The sweep name (``sweep.name``, default ``<config name>-sweep-<UTC time>``) names the parent
-MLflow run; an existing sweep directory is refused rather than mixed into.
+**Best config.** The trial with the best last ``sweep.metric`` gives the input config its scorer, lr, budget and grid
+values (``train.steps`` unchanged): a loadable preset ``<sweep dir>/best.yaml``, logged to the parent run with
+``sweep/trials.json``. The sweep directory is ``sweep.output_root`` (default ``$KVPOP_HOME/sweeps``)
+``/<sweep name>/``, also Tune's experiment directory; an existing one is refused rather than mixed into.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import time
@@ -51,7 +34,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipelines.config import ConfigError, PipelineConfig, _set_path, config_from_dict, load_config
+import yaml
+
+from kvpop.files import atomic_write_text
+from pipelines import store, tracking, train
+from pipelines.cluster import ensure_ray, require_resources
+from pipelines.config import ConfigError, PipelineConfig, apply_overrides, load_config
+from pipelines.data import load_tokenizer
 
 BEST_CONFIG = "best.yaml"
 TRIALS_DIR = "trials"
@@ -106,14 +95,6 @@ def variant_label(overrides: dict[str, Any]) -> str:
     return "-".join(parts)
 
 
-def apply_overrides(tree: dict, overrides: dict[str, Any]) -> PipelineConfig:
-    """``tree`` (a ``to_dict()``) with dotted overrides, validated."""
-    tree = copy.deepcopy(tree)
-    for key, value in overrides.items():
-        _set_path(tree, key, value)
-    return config_from_dict(tree)
-
-
 # ------------------------------------------------------------------------------------------------ the plan
 @dataclass
 class Plan:
@@ -132,10 +113,6 @@ class Plan:
 
 def plan(cfg: PipelineConfig) -> Plan:
     """Everything the sweep will do, validated; writes nothing and starts no Ray (see the module docstring)."""
-    from pipelines.identity import teacher_identity
-    from pipelines.precompute import TargetsError, open_targets
-    from pipelines.train import _strategy, targets_path
-
     cfg = dataclasses.replace(cfg, home=str(cfg.home_dir()))
     sw = cfg.sweep
     points = variants(cfg)
@@ -149,13 +126,12 @@ def plan(cfg: PipelineConfig) -> Plan:
         raise ConfigError(f"sweep.budgets use windows {missing} that precompute.windows={list(cfg.precompute.windows)} "
                           f"does not cover: add them to precompute.windows and run precompute again (targets depend "
                           f"on the window)")
-    path = targets_path(cfg)
-    teacher = teacher_identity(cfg)
-    targets = open_targets(path, teacher_sha256=teacher["weights_sha256"], seq_len=cfg.data.seq_len)
+    path = train.targets_path(cfg)
+    targets = store.open_targets(path, expect=store.training_identity(cfg, load_tokenizer(cfg)))
     absent = [w for w in windows if w not in targets.identity["windows"]]
     if absent:
-        raise TargetsError(f"the targets at {path} hold windows {targets.identity['windows']}, the sweep also needs "
-                           f"{absent}: precompute with precompute.windows containing them")
+        raise store.TargetsError(f"the targets at {path} hold windows {targets.identity['windows']}, the sweep also "
+                                 f"needs {absent}: precompute with precompute.windows containing them")
 
     # 2. every trial's config, built and validated now (a bad grid value fails here, not in trial 7)
     name = sw.name or f"{cfg.name}-sweep-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
@@ -176,38 +152,23 @@ def plan(cfg: PipelineConfig) -> Plan:
             trial = apply_overrides(base, overrides)
         except ConfigError as err:
             raise ConfigError(f"sweep trial {label}: {err}") from None
-        if trial.budget.topk < 1:
-            raise ConfigError(f"sweep trial {label}: budget.topk is 0, there is no eviction decision to learn")
         try:
-            _strategy(trial)
+            train.check_trainable(trial, targets.num_rows)
         except ConfigError as err:
             raise ConfigError(f"sweep trial {label}: {err}") from None
-        per_epoch = targets.num_rows // trial.train.num_workers // trial.train.batch_size
-        if per_epoch < 1:
-            raise ConfigError(f"sweep trial {label}: train.batch_size × train.num_workers needs more than the "
-                              f"{targets.num_rows} precomputed sequences")
     return Plan(cfg, name, root, points, len(points) * sw.num_samples, targets.path, base)
 
 
 def _check_cluster(p: Plan) -> None:
-    """The concurrent trials must leave Ray Data a CPU (else the workers starve it: NOTES.md), and fit the GPUs."""
-    import ray
-
-    resources = ray.cluster_resources()
-    cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+    """The concurrent trials (their workers and drivers) must fit the cluster with a CPU left for Ray Data."""
     t = p.cfg.train
     workers = max(int(v.get("train.num_workers", t.num_workers)) for v in p.variants)
     per_trial = max(float(v.get("train.num_workers", t.num_workers)) * float(v.get("train.cpus_per_worker",
                                                                                    t.cpus_per_worker))
                     for v in p.variants) + DRIVER_CPUS
-    if p.concurrent * per_trial >= cpus:
-        raise ConfigError(f"{p.concurrent} concurrent trials × {per_trial:g} CPUs (train.num_workers × "
-                          f"train.cpus_per_worker + the trial driver) leave none of the cluster's {cpus:g} CPUs to Ray "
-                          f"Data, which would hang: lower sweep.max_concurrent_trials or the workers' CPUs, or raise "
-                          f"ray.num_cpus")
-    if t.use_gpu and workers > gpus:
-        raise ConfigError(f"a trial needs {workers} GPUs (train.num_workers with train.use_gpu); the cluster has "
-                          f"{gpus:g}")
+    require_resources(f"{p.concurrent} concurrent trials × (train.num_workers × train.cpus_per_worker + the trial "
+                      f"driver) (lower sweep.max_concurrent_trials or the workers' CPUs)", p.concurrent * per_trial,
+                      workers if t.use_gpu else 0)
 
 
 # ------------------------------------------------------------------------------------------------ one trial
@@ -218,9 +179,6 @@ def _trial(config: dict, *, base: dict, info: dict) -> None:
     import ray.tune
     from ray.tune.integration.ray_train import TuneReportCallback
 
-    from pipelines import tracking, train
-    from pipelines.precompute import open_targets
-
     overrides = trial_overrides(config)
     cfg = apply_overrides(base, overrides)
     trial_id = ray.tune.get_context().get_trial_id()
@@ -230,14 +188,12 @@ def _trial(config: dict, *, base: dict, info: dict) -> None:
                                        "kvpop.variant": label})
     client = mlflow.MlflowClient(cfg.tracking_uri())
     try:
-        targets = open_targets(cfg.train.targets, verify=False)  # verified by the driver's plan
-        strategy, precision = train._strategy(cfg)
-        for key, value in {"kvpop.strategy": strategy, "kvpop.precision": precision}.items():
-            client.set_tag(run_id, key, value)
-        trainer = train.make_trainer(cfg, targets, f"{info['name']}-{trial_id}", Path(cfg.train.output_root),
-                                     strategy, precision, run_id, callbacks=(TuneReportCallback(),),
-                                     report_every_step=True, save_final=False)
-        trainer.fit()
+        targets = store.open_targets(cfg.train.targets, verify=False)  # verified by the driver's plan
+        client.set_tag(run_id, "kvpop.strategy", cfg.train.resolved_strategy)
+        client.set_tag(run_id, "kvpop.precision", cfg.train.resolved_precision)
+        spec = train.make_spec(cfg, targets, f"{info['name']}-{trial_id}", Path(cfg.train.output_root), run_id,
+                               report_every_step=True, save_final=False)
+        train.make_trainer(cfg, targets, spec, callbacks=(TuneReportCallback(),)).fit()
     except ray.exceptions.ActorDiedError:
         # ASHA stopped this trial: Tune ends this actor, which kills the Train controller it owns (the driver marks
         # the run KILLED); nothing to record here
@@ -273,10 +229,6 @@ def best_config(cfg: PipelineConfig, overrides: dict[str, Any]) -> PipelineConfi
 
 
 def write_best(path: Path, best: PipelineConfig, header: str) -> None:
-    import yaml
-
-    from pipelines.identity import atomic_write_text
-
     body = yaml.safe_dump(best.to_dict(), sort_keys=False)
     comment = "".join(f"# {line}\n" for line in header.splitlines())
     atomic_write_text(path, comment + body)
@@ -289,9 +241,6 @@ def run(cfg: PipelineConfig) -> SweepResult:
     import mlflow
     import ray.tune
     from ray.tune.schedulers import ASHAScheduler
-
-    from pipelines import tracking
-    from pipelines.cluster import ensure_ray
 
     original = cfg
     p = plan(cfg)  # one clear error before anything is written
@@ -388,15 +337,3 @@ def _close_trials(cfg: PipelineConfig, p: Plan, grid, experiment_id: str, parent
                      "metrics": {k: metrics[k] for k in ("loss", "ret_loss", "kl", "boundary_acc", "tokens_per_s")
                                  if isinstance(metrics.get(k), (int, float))}})
     return rows
-
-
-def _main() -> None:  # pragma: no cover - jobs/sweep.py is the CLI
-    import sys
-
-    args = sys.argv[1:]
-    path = args[0] if args and "=" not in args[0] else None
-    print(run(load_config(path, [a for a in args if "=" in a])))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    _main()

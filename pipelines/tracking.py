@@ -14,6 +14,10 @@ from typing import Any, Iterator
 
 from pipelines.config import PipelineConfig
 
+# The experiment's kind ("Machine learning": runs, not GenAI traces). MLflow 3.17's UI picks its view from
+# ?workflowType=machine_learning (or its "Model training" toggle) instead, so jobs.pipeline prints that link too.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
+
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     flat = {}
@@ -37,11 +41,14 @@ def setup(cfg: PipelineConfig) -> str:
     mlflow.set_tracking_uri(uri)
     experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     if experiment is not None:
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before the tag was set here
+            mlflow.MlflowClient(uri).set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return experiment.experiment_id
     artifacts = (cfg.home_dir() / "mlartifacts" / cfg.tracking.experiment).resolve()
     artifacts.mkdir(parents=True, exist_ok=True)
     try:
-        return mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts.as_uri())
+        return mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts.as_uri(),
+                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except Exception:  # created concurrently by another process
         return mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id
 

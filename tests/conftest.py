@@ -1,7 +1,7 @@
 """Shared test set-up: offline, quiet Ray, seeded torch, markers, and the prepared SmolLM2 folder.
 
-Tests that need SmolLM2 use the ``smollm2_dir`` / ``smollm2`` fixtures; if the folder has not been prepared
-they FAIL (never skip) with a message saying to run ``make model``.
+Tests that need SmolLM2 use the ``smollm2_dir`` / ``smollm2`` fixtures; if the folder has not been prepared (or a file
+no longer matches its recorded digest) they FAIL (never skip) with a message saying to run ``make model``.
 """
 from __future__ import annotations
 
@@ -52,13 +52,13 @@ def _seed() -> None:
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The prepared SmolLM2-135M-Instruct folder; fails the test (not skip) if it is missing."""
-    from kvpop.pretrained import is_complete, smollm2_dir as path_of
+    """The prepared SmolLM2-135M-Instruct folder, held to the sha256 digests recorded at its conversion; fails the
+    test (not skip) if it is missing, incomplete or modified."""
+    from pipelines.models import is_complete, missing_message, smollm2_dir as path_of
 
     path = path_of()
     if not is_complete(path):
-        pytest.fail(f"SmolLM2 folder {path} is missing or incomplete: run `make model` "
-                    f"(= `python -m kvpop.pretrained prepare`) first", pytrace=False)
+        pytest.fail(missing_message(path), pytrace=False)
     return path
 
 

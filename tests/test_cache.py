@@ -19,14 +19,18 @@ def left_padded(prompts, pad=0):
 
 
 @pytest.mark.parametrize("policy", ["kvpop", "streaming", "tova", "h2o"])
-def test_batch_with_left_padding_equals_each_row_alone(policy):
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
+def test_batch_with_left_padding_equals_each_row_alone(policy, prefill_chunk):
+    """Also with a prompt longer than the budget prefilled in chunks: chunks are counted back from the prompt's end,
+    so a padded row is cut where it is cut alone (what makes TOVA / H2O's chunk rule batch-independent)."""
     model = tiny_model("qwen3", "gqa")
     kvpop.retrofit(model, BUDGET, scorer="mlstm", policy=policy)
     prompts = [torch.randint(1, 97, (n,)) for n in (5, 23, 14)]
     ids, mask = left_padded(prompts)
-    batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False)
+    batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=25, do_sample=False,
+                           prefill_chunk=prefill_chunk)
     for i, prompt in enumerate(prompts):
-        alone = model.generate(input_ids=prompt[None], max_new_tokens=25, do_sample=False)
+        alone = model.generate(input_ids=prompt[None], max_new_tokens=25, do_sample=False, prefill_chunk=prefill_chunk)
         assert torch.equal(batch[i, ids.shape[1]:], alone[0, len(prompt):]), f"row {i} differs"
 
 
@@ -83,6 +87,25 @@ def test_cache_holds_exactly_the_retained_set():
             assert held == expect[0, h].nonzero().flatten().tolist()
 
 
+def test_repeated_rows_continue_like_the_row_they_copy():
+    """One prefill, many continuations: the copies decode as the original does, which is left as it was."""
+    from kvpop.cache import CACHE_KWARG
+
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, BUDGET, scorer="mlstm")
+    one = kvpop.prefill(model, torch.randint(1, 97, (1, 30)), chunk=8)
+    many = one.repeated(3)
+    assert many.nbytes() == {key: 3 * value for key, value in one.nbytes().items()}
+    assert one.get_seq_length() == many.get_seq_length() == 30
+    ids = torch.randint(1, 97, (1, 6))
+    with torch.no_grad():
+        rows = torch.cat([model(input_ids=ids[:, i:i + 1].expand(3, 1), use_cache=True, **{CACHE_KWARG: many}).logits
+                          for i in range(6)], dim=1)
+        alone = torch.cat([model(input_ids=ids[:, i:i + 1], use_cache=True, **{CACHE_KWARG: one}).logits
+                           for i in range(6)], dim=1)
+    assert (rows - alone).abs().max() <= 1e-5
+
+
 def test_dense_policy_keeps_transformers_cache():
     model = tiny_model("llama", "gqa")
     ids = torch.randint(1, 97, (1, 10))
@@ -121,3 +144,23 @@ def test_graphed_teacher_forcing_equals_eager_steps(policy, prefill):
     eager = kvpop.teacher_forced_logits(model, ids, prefill=prefill)
     graphed = kvpop.teacher_forced_logits(model, ids, prefill=prefill, graphed=True)
     assert (graphed.float() - eager.float()).abs().max().item() <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graphed_decoder_without_snapshot_keeps_its_warmup_steps():
+    """``snapshot=False`` (benchmarks at the memory limit): the warm-up steps stay in the cache, so the first call's
+    logits are those of feeding its token warmup + 1 times."""
+    from kvpop.cache import CACHE_KWARG
+    from kvpop.decode import GraphedDecoder
+
+    model = tiny_model("qwen3", "gqa", layers=2).cuda()
+    kvpop.retrofit(model, BUDGET, scorer="mlstm")
+    ids = torch.randint(1, 97, (2, 30), device="cuda")
+    token, position = torch.randint(1, 97, (2, 1), device="cuda"), torch.full((2, 1), 30, device="cuda")
+    eager, graphed = kvpop.prefill(model, ids), kvpop.prefill(model, ids)
+    got = GraphedDecoder(model, graphed, warmup=2, snapshot=False)(token, position)
+    with torch.no_grad():
+        for _ in range(3):
+            want = model(input_ids=token, position_ids=position, use_cache=True, **{CACHE_KWARG: eager}).logits
+    assert (got.float() - want.float()).abs().max().item() <= 1e-4
+    assert graphed.get_seq_length() == eager.get_seq_length() == 33

@@ -4,13 +4,15 @@ import torch
 
 import kvpop
 from kvpop import Budget
-from tests.models import ARCHS, HEADS, tiny_model
+from tests.models import ARCHS, HEADS, dms_model, tiny_model
 
-STATIC = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "streaming", "random", "oracle"]
+STATIC = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "streaming", "random", "oracle", "dms"]
 BUDGET = Budget(3, 8, 10)
 
 
 def retrofitted(arch, heads, policy, budget=BUDGET):
+    if policy == "dms":  # random gates evicting about half the tokens; no fixed top-k slots
+        return dms_model(arch, heads, Budget(budget.sink, budget.window, 0))
     model = tiny_model(arch, heads)
     name, _, scorer = policy.partition(":")
     kvpop.retrofit(model, budget, scorer=scorer or "mlp", policy=name)

@@ -1,21 +1,21 @@
-"""jobs/ CLIs (bad input → one line, exit 2, nothing written), `ray job submit` to a head started by infra/local.sh, and
-the MLflow server it starts answering REST queries for the evaluate stage's metrics."""
+"""jobs/ CLIs: bad input (a wrong key or file, a model folder transformers cannot load, an unreachable Ray address, …)
+is one line, exit code 2, nothing written; Ctrl-C is one line, exit code 130. (`ray job submit` to infra/local.sh's
+head: tests/test_infra.py.)"""
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
-import yaml
 
 from pipelines.config import REPO_ROOT
+from tests.pipeline_helpers import tiny_overrides
 
 pytestmark = pytest.mark.pretrained  # the tiny teacher uses SmolLM2's tokenizer
 
@@ -25,8 +25,7 @@ STAGES = ("precompute", "train", "sweep", "evaluate", "pipeline")
 def _cli(stage: str):
     import importlib
 
-    module = importlib.import_module(f"jobs.{stage}")
-    return lambda argv: module.main(stage, module.__doc__, module.body, argv)
+    return importlib.import_module(f"jobs.{stage}").cli
 
 
 @pytest.fixture
@@ -45,7 +44,9 @@ def _bad_inputs(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "wrong_type_list": (["--set", "precompute.windows=32"], "precompute.windows: expected a list"),
         "missing_config": (["--config", str(tmp / "missing.yaml")], "missing.yaml does not exist"),
         "bad_yaml": (["--config", str(tmp / "bad.yaml")], "not valid YAML"),
-        "missing_model": (["--set", f"model.path={tmp / 'no-model'}"], "no-model not found"),
+        "missing_model": (["--set", f"model.path={tmp / 'no-model'}"], "no-model does not exist"),
+        "model_without_model_type": (model[2:] + ["--set", f"model.path={tmp / 'untyped'}"],
+                                     "config.json has no model_type"),
         "missing_data": (model[:2] + ["--set", f"data.source={tmp / 'none.jsonl'}"], "none.jsonl' does not exist"),
         "budget_over_seq_len": (model + ["--set", "budget.topk=1000"], "more than data.seq_len=512"),
         "budget_over_context": (model + ["--set", "data.seq_len=4096", "--set", "budget.topk=2000"],
@@ -57,8 +58,20 @@ def _bad_inputs(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
     }
 
 
+def _untyped_copy(teacher: Path, dest: Path) -> Path:
+    """The teacher's folder (files linked) with a config.json that names no model_type."""
+    dest.mkdir()
+    for item in teacher.iterdir():
+        if item.name != "config.json":
+            (dest / item.name).symlink_to(item)
+    config = json.loads((teacher / "config.json").read_text())
+    del config["model_type"]
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
 CASES = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_list", "missing_config", "bad_yaml",
-         "missing_model", "missing_data", "budget_over_seq_len", "budget_over_context", "budget_negative",
+         "missing_model", "model_without_model_type", "missing_data", "budget_over_seq_len", "budget_over_context", "budget_negative",
          "window_without_targets", "eval_budget_below_sink_window", "bad_flag"]
 
 
@@ -66,6 +79,7 @@ CASES = ["unknown_key", "unknown_section", "wrong_type", "wrong_type_list", "mis
 @pytest.mark.parametrize("stage", STAGES)
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(stage, case, tiny_setup, tmp_path, empty_home, capsys):
     (tmp_path / "bad.yaml").write_text("train: [unclosed\n")
+    _untyped_copy(tiny_setup / "teacher", tmp_path / "untyped")
     argv, message = _bad_inputs(tiny_setup, tmp_path)[case]
     try:
         code = _cli(stage)(argv)
@@ -112,6 +126,9 @@ def test_every_cli_module_exits_2_in_its_own_process(tiny_setup, tmp_path):
     data = ["--set", f"model.path={tiny_setup / 'teacher'}", "--set", f"data.source={tiny_setup / 'docs.jsonl'}",
             "--set", "data.text_field=body"]  # found only once the stage reads the data: datasets is imported by then
     runs["precompute+data"] = (data, f"data.source '{tiny_setup / 'docs.jsonl'}' has no column 'body'")
+    untyped = _untyped_copy(tiny_setup / "teacher", tmp_path / "untyped")
+    runs["precompute+model_type"] = (data[2:4] + ["--set", f"model.path={untyped}"],
+                                     f"model.path: {untyped / 'config.json'} has no model_type")
     procs = {name: subprocess.Popen([sys.executable, "-m", f"jobs.{name.split('+')[0]}", *argv], cwd=REPO_ROOT,
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, (argv, _) in runs.items()}
@@ -125,85 +142,112 @@ def test_every_cli_module_exits_2_in_its_own_process(tiny_setup, tmp_path):
     assert not (home / "data").exists()
 
 
-# --------------------------------------------------------------------------------------------- job submit + mlflow
-def _free_ports(count: int) -> list[int]:
-    """Free TCP ports from the ephemeral range (outside Ray's default worker ports 10002-19999)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+# --------------------------------------------------------------------------------------------- unreachable Ray
+@pytest.mark.parametrize("stage", ["precompute", "train", "sweep", "pipeline"])
+def test_unreachable_ray_address_is_one_line_exit_2_before_anything_is_written(stage, tiny_setup, empty_home,
+                                                                              monkeypatch, capsys):
+    port = _closed_port()
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    argv = ["--set", f"model.path={tiny_setup / 'teacher'}", "--set", f"data.source={tiny_setup / 'docs.jsonl'}"]
+    code = _cli(stage)(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "", (out, err)
+    assert err.strip().splitlines() == [f"kvpop {stage}: error: RAY_ADDRESS=127.0.0.1:{port}: no Ray cluster there "
+                                        f"(Connection refused, {_probe_s(err)} s): start it (infra/local.sh start) or "
+                                        f"fix RAY_ADDRESS"]
+    assert not empty_home.exists()
 
 
-def _get(url: str, payload: dict | None = None) -> dict:
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=30) as response:
-        return json.loads(response.read())
+def test_unreachable_ray_address_in_its_own_process(tiny_setup, tmp_path):
+    """``python -m jobs.precompute --set ray.address=<closed port>``: one line within the probe's bound (not minutes of
+    Ray retrying), exit 2, and nothing under the home — no sequences cache, no target header."""
+    from pipelines.cluster import CONNECT_TIMEOUT_S
 
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_job_submit_to_a_local_head_and_mlflow_server_serves_the_eval_metrics(tiny_setup, tmp_path):
-    home = tmp_path / "home"
-    gcs, dashboard, client, agent, mlflow_port = _free_ports(5)
-    env = {**os.environ, "KVPOP_HOME": str(home), "RAY_PORT": str(gcs), "RAY_DASHBOARD_PORT": str(dashboard),
-           "RAY_CLIENT_PORT": str(client), "RAY_DASHBOARD_AGENT_PORT": str(agent), "MLFLOW_PORT": str(mlflow_port),
-           "PYTHON": sys.executable, "RAY_AUTH_MODE": "disabled"}
+    home, port = tmp_path / "home", _closed_port()
+    env = {**os.environ, "KVPOP_HOME": str(home)}
     env.pop("RAY_ADDRESS", None)
-    tracking = f"http://127.0.0.1:{mlflow_port}"
-    config = tmp_path / "tiny.yaml"  # the home comes from the head's KVPOP_HOME, the store is the server
-    config.write_text(yaml.safe_dump({
-        "name": "tiny-job", "model": {"path": str(tiny_setup / "teacher")},
-        "data": {"source": str(tiny_setup / "docs.jsonl"), "seq_len": 64, "num_sequences": 4, "eval_sequences": 2},
-        "budget": {"sink": 4, "window": 8, "topk": 16},
-        "precompute": {"windows": [8], "top_k": 8, "sequences_per_shard": 2, "num_cpus_per_actor": 1},
-        "train": {"scorer": "mlp", "steps": 2, "batch_size": 2, "num_workers": 1, "cpus_per_worker": 1,
-                  "checkpoint_every": 2},
-        "eval": {"budgets": [28, 20], "policies": ["dense", "streaming", "kvpop"], "tasks": ["kv_retrieval"],
-                 "task_samples": 1, "task_context": 64, "max_new_tokens": 4, "batch_size": 2,
-                 "generation_batch_size": 2},
-        "tracking": {"uri": tracking, "experiment": "jobs"}}))
-    local = [str(REPO_ROOT / "infra" / "local.sh")]
-    try:
-        started = subprocess.run(local + ["start"], env=env, capture_output=True, text=True, timeout=180)
-        assert started.returncode == 0, started.stdout + started.stderr
-        ray_bin = str(Path(sys.executable).parent / "ray")
-        job = subprocess.run([ray_bin, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}",
-                              "--working-dir", str(REPO_ROOT), "--runtime-env", "infra/runtime_env.yaml", "--",
-                              "python", "-m", "jobs.pipeline", "--config", str(config)],
-                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=480)
-        log = job.stdout + job.stderr
-        assert job.returncode == 0 and "succeeded" in log, log[-5000:]
-        assert "[kvpop] 3/3 evaluate" in log
-        assert list((home / "targets").iterdir()) and list((home / "runs").iterdir())  # the head's KVPOP_HOME
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "jobs.precompute", "--set", f"ray.address=127.0.0.1:{port}",
+                           "--set", f"model.path={tiny_setup / 'teacher'}",
+                           "--set", f"data.source={tiny_setup / 'docs.jsonl'}"],
+                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    elapsed = time.monotonic() - start
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert lines[0].startswith(f"kvpop precompute: error: ray.address=127.0.0.1:{port}: no Ray cluster there")
+    assert float(_probe_s(lines[0])) <= CONNECT_TIMEOUT_S
+    assert elapsed < 120, elapsed  # interpreter start-up and imports included; the hang it replaces took minutes
+    assert not home.exists()
 
-        # the MLflow server (on loopback, started by local.sh) serves the evaluate stage's metrics over REST
-        api = f"{tracking}/api/2.0/mlflow"
-        experiment = _get(f"{api}/experiments/get-by-name?experiment_name=jobs")["experiment"]
-        runs = _get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]],
-                                           "filter": "tags.`kvpop.stage` = 'evaluate'"})["runs"]
-        assert len(runs) == 1 and runs[0]["info"]["status"] == "FINISHED"
-        metrics = {m["key"]: m["value"] for m in runs[0]["data"]["metrics"]}
-        assert metrics["dense.B28.top1_agreement"] == 1.0
-        for key in ("kvpop.B28.kl", "kvpop.B20.top1_agreement", "streaming.B20.token_acc", "kvpop.B20.kv_retrieval"):
-            assert key in metrics, sorted(metrics)
-        query = urllib.parse.urlencode({"run_id": runs[0]["info"]["run_id"], "metric_key": "kvpop.B20.kl"})
-        history = _get(f"{api}/metrics/get-history?{query}")["metrics"]
-        assert len(history) == 1 and history[0]["value"] == metrics["kvpop.B20.kl"] > 0
-        train_runs = _get(f"{api}/runs/search", {"experiment_ids": [experiment["experiment_id"]],
-                                                 "filter": "tags.`kvpop.stage` = 'train'"})["runs"]
-        assert {m["key"] for m in train_runs[0]["data"]["metrics"]} >= {"loss", "ret_loss", "kl", "boundary_acc"}
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _probe_s(message: str) -> str:
+    return message.split("Connection refused, ")[1].split(" s)")[0]
+
+
+# --------------------------------------------------------------------------------------------- Ctrl-C
+def test_ctrl_c_in_a_stage_is_one_line_exit_130(tiny_setup, tmp_path):
+    """SIGINT while ``python -m jobs.pipeline`` is inside its first stage (starting Ray and reading the corpus take
+    seconds on two cores) ends it with one stderr line and exit code 130, no traceback."""
+    env = {**os.environ, "KVPOP_HOME": str(tmp_path / "home")}
+    env.pop("RAY_ADDRESS", None)
+    overrides = [item for override in tiny_overrides(tiny_setup, tmp_path / "home") for item in ("--set", override)]
+    proc = subprocess.Popen([sys.executable, "-m", "jobs.pipeline", *overrides], cwd=REPO_ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:  # the stage has begun
+            if line.startswith("[kvpop] 1/3 precompute"):
+                break
+        time.sleep(1)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     finally:
-        stopped = subprocess.run(local + ["stop"], env=env, capture_output=True, text=True, timeout=180)
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    assert "ray head stopped" in stopped.stdout and "mlflow stopped" in stopped.stdout
-    time.sleep(1)
-    with pytest.raises(OSError):  # both gone
-        urllib.request.urlopen(f"http://127.0.0.1:{dashboard}/api/version", timeout=2)
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"{tracking}/health", timeout=2)
-    assert not (home / "run" / "ray.pid").exists() and not (home / "run" / "mlflow.pid").exists()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == ["kvpop pipeline: interrupted"], err
+
+
+def test_ctrl_c_while_a_cli_still_imports_is_one_line():
+    """Before ``main`` runs (importing torch takes seconds), the jobs package's hook keeps Ctrl-C to one line."""
+    proc = subprocess.run([sys.executable, "-c", "import jobs\nraise KeyboardInterrupt"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (130, -signal.SIGINT), proc.returncode
+    assert proc.stderr.strip().splitlines() == ["kvpop: interrupted"], proc.stderr
+
+
+# --------------------------------------------------------------------------------------------- reviewing the runs
+def test_the_experiment_is_a_machine_learning_one(tmp_path):
+    """Created by a stage, or made before the tag existed: the experiment carries MLflow's kind for training runs."""
+    import mlflow
+
+    from pipelines import tracking
+    from pipelines.config import load_config
+
+    cfg = load_config(None, [f"home={tmp_path}", "tracking.experiment=fresh"])
+    experiment_id = tracking.setup(cfg)
+    assert mlflow.get_experiment(experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    old = mlflow.create_experiment("old", artifact_location=(tmp_path / "old").as_uri())
+    assert "mlflow.experimentKind" not in mlflow.get_experiment(old).tags
+    assert tracking.setup(load_config(None, [f"home={tmp_path}", "tracking.experiment=old"])) == old
+    assert mlflow.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+def test_the_closing_line_says_how_to_open_the_runs():
+    """A command that works as written (this interpreter's mlflow, not one on PATH) and the link that opens the runs
+    (MLflow 3.17's UI otherwise starts on the GenAI overview)."""
+    from jobs.pipeline import review_hint
+
+    mlflow_bin = Path(sys.executable).parent / "mlflow"
+    assert review_hint("sqlite:////x/mlflow.db", "3") == (
+        f"review with `{mlflow_bin} ui --backend-store-uri sqlite:////x/mlflow.db`, then open "
+        f"http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning")
+    assert review_hint("http://10.0.0.1:5000/", "7") == \
+        "open http://10.0.0.1:5000/#/experiments/7?workflowType=machine_learning"

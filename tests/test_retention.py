@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 
+import kvpop
 from kvpop import Budget
 from kvpop.retention import (eviction_positions, kept_counts, prefix_kth_largest, ranks_newer_wins, visible,
                              visible_from_eviction, with_recency)
@@ -115,6 +116,11 @@ def test_recency_term():
     assert torch.equal(with_recency(p, 0.5), torch.arange(5) * 0.5)
     with pytest.raises(ValueError):
         with_recency(p, -1.0)
+    # a cache's slots: the tokens' own positions; the policies rank by the same function
+    positions = torch.tensor([[0, 7, 3, 12, 5]])
+    assert torch.equal(with_recency(p[None], 0.5, positions), positions * 0.5)
+    assert torch.equal(kvpop.build_policy("kvpop", Budget(1, 2, 3), recency=0.5).ranked(p[None], positions),
+                       positions * 0.5)
 
 
 def test_no_quadratic_memory_at_131k():

@@ -114,3 +114,31 @@ def test_set_policy_keeps_the_recency_term():
     kvpop.retrofit(model, Budget(1, 2, 3), scorer="mlp", recency=0.05)
     assert kvpop.set_policy(model, "oracle", Budget(1, 2, 5)).recency == 0.05
     assert kvpop.set_policy(model, "kvpop", Budget(1, 2, 5), recency=0.0).recency == 0.0
+
+
+def test_scorer_only_folder_loads_its_base_from_the_recorded_identity(tmp_path):
+    base = tiny_model("llama", "gqa")
+    base.save_pretrained(tmp_path / "base")
+    model = tiny_model("llama", "gqa")  # the same weights (seed 0), trained scorers on top
+    kvpop.retrofit(model, Budget(2, 6, 9), scorer="mlp", recency=0.01)
+    with torch.no_grad():
+        for p in kvpop.scorers(model).parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(1, 97, (2, 40))
+    with torch.no_grad():
+        before = model(ids, use_cache=False).logits
+    kvpop.save_retrofitted(model, tmp_path / "m", base=tmp_path / "base")
+    assert not list((tmp_path / "m").glob("model*.safetensors")), "no second copy of the base weights"
+    meta = json.loads((tmp_path / "m" / "kvpop.json").read_text())
+    assert meta["format_version"] == 2 and meta["base"]["path"] == str((tmp_path / "base").resolve())
+    loaded, _ = kvpop.load_retrofitted(tmp_path / "m")
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, use_cache=False).logits, before)
+    # moved elsewhere: the base is given explicitly; a base with other weights is refused
+    (tmp_path / "base").rename(tmp_path / "moved")
+    with pytest.raises(FileNotFoundError, match="holds scorers only; its base model .* is missing"):
+        kvpop.load_retrofitted(tmp_path / "m")
+    assert kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "moved")[0] is not None
+    tiny_model("llama", "gqa", seed=1).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="not the one the scorers .* were trained on"):
+        kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "other")

@@ -5,7 +5,7 @@ import pytest
 
 from pipelines import sweep
 from pipelines.config import ConfigError, load_config
-from pipelines.precompute import TargetsError
+from pipelines.store import TargetsError
 from tests.pipeline_helpers import tiny_config
 
 pytestmark = pytest.mark.pretrained  # the tiny teachers use SmolLM2's tokenizer

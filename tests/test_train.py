@@ -1,15 +1,26 @@
-"""pipelines.train: Ray Train (V2) + FSDP2 on CPU, DCP checkpoints, resume by run name, MLflow, input validation."""
+"""pipelines.train: Ray Train (V2) + FSDP2 on CPU, DCP checkpoints, resume by run name, MLflow committed exactly once,
+the train record, input validation."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from pipelines import precompute, tracking, train
+import kvpop
+from kvpop.files import sha256_file
+from pipelines import records, store, tracking, train
 from pipelines.config import ConfigError
+from pipelines.train_worker import TRAIN_MARKER, TrainSpec, batch_losses, build_student, write_final_model
 from tests.pipeline_helpers import tiny_config
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.pretrained  # the tiny teachers use SmolLM2's tokenizer
 
@@ -17,10 +28,10 @@ TRAIN = ["train.scorer=mlstm", "train.lr=0.01", "train.steps=6", "train.checkpoi
          "train.num_workers=2", "train.cpus_per_worker=1", "train.max_failures=0"]
 
 
-def _boundary_loss(model, rows: dict, cfg) -> float:
+def _boundary_loss(model, rows: dict, spec) -> float:
     batch = {k: torch.tensor(v) for k, v in rows.items()}
     with torch.no_grad():
-        return train.step_losses(model, batch, cfg)["ret_loss"].item()
+        return batch_losses(model, batch, spec)["ret_loss"].item()
 
 
 @pytest.mark.ray
@@ -28,23 +39,26 @@ def _boundary_loss(model, rows: dict, cfg) -> float:
 def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targets, tiny_setup):
     import mlflow
 
-    import kvpop
-
     cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *TRAIN, "train.fail_at_step=3")
-    assert train._strategy(cfg) == ("fsdp", "fp32")  # 2 CPU workers: FSDP2 over gloo
+    assert (cfg.train.resolved_strategy, cfg.train.resolved_precision) == ("fsdp", "fp32")  # FSDP2 over gloo
     # 1. the run dies at step 3, after the checkpoint of step 2 (max_failures=0: no restart inside the run)
     with pytest.raises(Exception, match="fault injected at step 3"):
         train.run(cfg)
-    name = train.run_name_of(cfg)
+    targets = train.open_inputs(cfg)
+    name = train.run_name_of(cfg, targets)
     client = mlflow.MlflowClient(cfg.tracking_uri())
     run_id = tracking.find_run(cfg, name, "train")
     assert client.get_run(run_id).info.status == "FAILED"
     assert not (train.runs_root(cfg) / name / train.FINAL_MODEL).exists()
+    assert records.for_config(cfg, "train") is None
 
     # 2. the same config again: Ray Train V2 finds the run by (name, storage_path) and hands over the checkpoint
     result = train.run(cfg)
     assert result.run_name == name and result.mlflow_run_id == run_id
     assert result.resumed_from == 2 and result.metrics["step"] == 6
+    assert records.for_config(cfg, "train").payload == {
+        "run_name": name, "model_dir": str(result.model_dir), "mlflow_run_id": run_id, "steps": 6,
+        "targets": str(targets.path), "mode": "scorer_only"}
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -53,21 +67,96 @@ def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targe
     assert sorted({m.step for m in history}) == [1, 2, 3, 4, 5, 6]
     for key in ("kl", "boundary_acc", "tokens_per_s", "loss"):
         assert client.get_metric_history(run_id, key)
+    # the model artifact: scorers + kvpop.json + the base's identity, no second copy of the base weights
     artifacts = {a.path for a in client.list_artifacts(run_id, "model")}
     assert {"model/kvpop.json", "model/kvpop_scorers.safetensors"} <= artifacts
+    assert not any(path.endswith(".safetensors") and "scorers" not in path for path in artifacts), artifacts
+    meta = json.loads((result.model_dir / "kvpop.json").read_text())
+    assert meta["base"]["path"] == str((tiny_setup / "teacher").resolve())
+    assert meta["base"]["weights_sha256"] == targets.identity["teacher"]["weights_sha256"]
 
     # 3. the trained scorers beat the untrained ones on the teacher's boundary decisions
-    table = precompute.open_targets(tiny_targets[1].path).read_table()
+    table = store.open_targets(tiny_targets[1].path).read_table()
     rows = {name: table.column(name).combine_chunks().to_numpy_ndarray()
             for name in ("input_ids", "targets_w8", "topk_values", "topk_indices")}
+    spec = train.make_spec(cfg, targets, name, train.runs_root(cfg), run_id)
     trained, _ = kvpop.load_retrofitted(result.model_dir)
-    untrained, _ = train.build_student(cfg, tiny_setup / "teacher")
-    before, after = _boundary_loss(untrained, rows, cfg), _boundary_loss(trained, rows, cfg)
+    untrained, _ = build_student(spec)
+    before, after = _boundary_loss(untrained, rows, spec), _boundary_loss(trained, rows, spec)
     assert after < 0.8 * before, (before, after)
 
-    # 4. a finished run is not trained again
+    # 4. a finished run is not trained again; fewer steps than it holds are refused, with nothing changed
     again = train.run(cfg)
     assert again.model_dir == result.model_dir and again.mlflow_run_id == run_id
+    fewer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4))
+    with pytest.raises(ConfigError, match=f"run {name} has already trained 6 steps and train.steps=4 asks for fewer"):
+        train.run(fewer)
+    assert records.for_config(cfg, "train").payload["steps"] == 6
+
+
+def _driver(cfg, ray_address: str, crash_at: str, tmp_path) -> subprocess.CompletedProcess:
+    """``train.run(cfg)`` in its own driver process that dies at ``crash_at`` (``os._exit``: nothing cleaned up)."""
+    script = tmp_path / "driver.py"
+    script.write_text("import json, sys\nimport ray\nfrom pipelines import train\n"
+                      "from pipelines.config import config_from_dict\n"
+                      "ray.init(address=sys.argv[2])\ntrain.run(config_from_dict(json.loads(sys.argv[1])))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), records.CRASH_ENV: crash_at}
+    return subprocess.run([sys.executable, str(script), json.dumps(cfg.to_dict()), ray_address], env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_mlflow_run_is_committed_exactly_once_whatever_point_the_driver_dies_at(
+        tiny_targets, tiny_setup, tmp_path, ray_cluster, monkeypatch):
+    import mlflow
+
+    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), "train.scorer=mlp", "train.steps=2",
+                      "train.checkpoint_every=2", "train.num_workers=1", "train.cpus_per_worker=1",
+                      "train.run_name=exactly-once", "train.max_failures=0")
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+
+    def state():
+        runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                                  filter_string="tags.mlflow.runName = 'exactly-once'")
+        assert len(runs) == 1, f"{len(runs)} runs named exactly-once"
+        artifacts = {a.path for a in client.list_artifacts(runs[0].info.run_id, "model")}
+        return (runs[0].info.status, "model/kvpop.json" in artifacts, "kvpop.model_dir" in runs[0].data.tags,
+                records.for_config(cfg, "train") is not None)
+
+    # each crash point in turn; every re-run takes over where the last one died, and trains only once
+    expected = {"train.fitted": ("RUNNING", False, False, False),
+                "train.artifact_logged": ("RUNNING", True, False, False),
+                "train.run_finished": ("FINISHED", True, True, False)}
+    for point, after in expected.items():
+        proc = _driver(cfg, ray_cluster, point, tmp_path)
+        assert proc.returncode == records.CRASH_EXIT_CODE, proc.stderr[-3000:]
+        assert state() == after, point
+        output = proc.stdout + proc.stderr
+        if point == "train.fitted":  # the only run that trains: one line per step
+            assert output.count("[kvpop.train] step 1/2 ") == 1 and output.count("[kvpop.train] step 2/2 ") == 1, \
+                output[-3000:]
+        else:
+            assert "[kvpop.train] step" not in output and "completing its MLflow run" in output
+    proc = _driver(cfg, ray_cluster, "", tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert state() == ("FINISHED", True, True, True)
+    run_id = records.for_config(cfg, "train").payload["mlflow_run_id"]
+    assert client.get_run(run_id).info.run_name == "exactly-once"
+
+    # evaluate finds the trained model from the record alone: no tokenizer, no weight hashing
+    model_dir = Path(records.for_config(cfg, "train").payload["model_dir"])
+    loaded, _ = kvpop.load_retrofitted(model_dir)
+    assert loaded.kvpop_runtime.policy.budget == cfg.budget
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("finding the trained model must not load a tokenizer nor hash weights")
+    for target in ("transformers.AutoTokenizer.from_pretrained", "pipelines.data.load_tokenizer",
+                   "pipelines.train.load_tokenizer", "pipelines.identity.weights_digest",
+                   "pipelines.identity.file_digest", "kvpop.files.sha256_file", "kvpop.files.weights_digest"):
+        monkeypatch.setattr(target, refuse)
+    assert train.model_dir(cfg) == model_dir
+    assert train.trained_model_record(cfg).payload["mlflow_run_id"] == run_id
 
 
 def _copy_targets(tiny_targets, tmp_path):
@@ -77,21 +166,25 @@ def _copy_targets(tiny_targets, tmp_path):
 
 
 def _rewrite_manifest_entry(folder, shard: int) -> None:
-    records = precompute.read_manifest(folder)
-    file = folder / precompute.SHARDS / records[shard]["file"]
-    records[shard].update(bytes=file.stat().st_size, sha256=precompute._sha256(file))
-    (folder / precompute.MANIFEST).write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    records_ = store.read_manifest(folder)
+    file = folder / store.SHARDS / records_[shard].file
+    records_[shard] = dataclasses.replace(records_[shard], bytes=file.stat().st_size, sha256=sha256_file(file))
+    (folder / store.MANIFEST).write_text("".join(r.to_json() + "\n" for r in records_.values()))
 
 
 @pytest.mark.parametrize("case, message", [
     ("other_teacher", "another teacher"),
     ("seq_len", "sequences of 64 tokens"),
-    ("window", "windows \\[8, 16\\]"),
+    ("window", "windows \\[8, 16\\], not budget.window=4"),
+    ("top_k", "another precompute.top_k \\(8, this config: 4\\)"),
+    ("data", "another data"),
     ("missing_column", "has no column 'topk_values'"),
     ("flipped_bytes", "corrupt"),
     ("truncated", "corrupt"),
     ("incomplete", "incomplete \\(7 of 8"),
+    ("garbage_header", "is not a target header"),
     ("nothing", "no precomputed targets"),
+    ("no_record", "no precomputed targets for config 'default' \\(no precompute record"),
     ("batch_too_large", "needs more than the 8 precomputed sequences"),
 ])
 def test_bad_inputs_fail_before_training_and_write_nothing(tiny_targets, tiny_setup, tmp_path, case, message):
@@ -99,13 +192,17 @@ def test_bad_inputs_fail_before_training_and_write_nothing(tiny_targets, tiny_se
 
     folder = _copy_targets(tiny_targets, tmp_path)
     extra = []
-    shard0 = folder / precompute.SHARDS / precompute.shard_name(0)
+    shard0 = folder / store.SHARDS / store.shard_name(0)
     if case == "other_teacher":
         extra = [f"model.path={tiny_setup / 'other_teacher'}"]
     elif case == "seq_len":
         extra = ["data.seq_len=128"]
     elif case == "window":
         extra = ["budget.window=4", "precompute.windows=[4]"]
+    elif case == "top_k":
+        extra = ["precompute.top_k=4"]
+    elif case == "data":
+        extra = ["data.seed=3"]
     elif case == "missing_column":
         pq.write_table(pq.read_table(shard0).drop_columns(["topk_values"]), shard0)
         _rewrite_manifest_entry(folder, 0)
@@ -116,15 +213,66 @@ def test_bad_inputs_fail_before_training_and_write_nothing(tiny_targets, tiny_se
     elif case == "truncated":
         shard0.write_bytes(shard0.read_bytes()[: shard0.stat().st_size // 2])
     elif case == "incomplete":
-        lines = (folder / precompute.MANIFEST).read_text().splitlines()
-        (folder / precompute.MANIFEST).write_text("\n".join(lines[:-1]) + "\n")
+        lines = (folder / store.MANIFEST).read_text().splitlines()
+        (folder / store.MANIFEST).write_text("\n".join(lines[:-1]) + "\n")
+    elif case == "garbage_header":
+        (folder / store.HEADER).write_text("[1, 2")
     elif case == "nothing":
         folder = tmp_path / "nothing"
     elif case == "batch_too_large":
         extra = ["train.batch_size=5", "train.num_workers=2"]
     home = tmp_path / "home"
-    cfg = tiny_config(tiny_setup, home, f"train.targets={folder}", "train.steps=2", *extra)
-    with pytest.raises((precompute.TargetsError, ConfigError), match=message) as err:
+    targets = [] if case == "no_record" else [f"train.targets={folder}"]
+    cfg = tiny_config(tiny_setup, home, *targets, "train.steps=2", *extra)
+    with pytest.raises(ConfigError, match=message) as err:
         train.run(cfg)
     assert "\n" not in str(err.value)
-    assert not (home / "runs").exists() and not (home / "mlflow.db").exists()
+    assert not (home / "runs").exists() and not (home / "mlflow.db").exists() and not (home / "records").exists()
+
+
+def _spec(tmp_path, mode: str) -> TrainSpec:
+    from kvpop.objective import Objective
+
+    return TrainSpec(run_name="r", run_dir=str(tmp_path / "r"), base_path=str(tmp_path / "base"),
+                     base_sha256=kvpop.files.weights_digest(tmp_path / "base"),
+                     objective=Objective(kvpop.Budget(2, 4, 6)), scorer="mlp", scorer_options={}, mode=mode,
+                     target_column="targets_w4", lr=0.01, base_lr=1e-5, grad_clip=1.0, steps=3, batch_size=1,
+                     seq_len=32, seed=0, use_gpu=False, sharded=False, bf16=False, threads=1, checkpoint_every=1,
+                     log_every=1, fail_at_step=0, tracking_uri="", mlflow_run_id="")
+
+
+@pytest.mark.parametrize("mode", ["scorer_only", "distill"])
+def test_the_final_model_stores_base_weights_only_when_they_trained(tmp_path, tiny_setup, mode):
+    shutil.copytree(tiny_setup / "teacher", tmp_path / "base")
+    spec = _spec(tmp_path, mode)
+    model, tokenizer = build_student(spec)
+    trained = model.parameters() if mode == "distill" else kvpop.scorers(model).parameters()
+    with torch.no_grad():
+        for p in trained:
+            p.add_(0.01)  # the scorers (and, distilling, the base) moved away from what was loaded
+    out = tmp_path / "r" / "final_model"
+    write_final_model(model, out, tokenizer, spec, steps=3)
+    assert json.loads((out / TRAIN_MARKER).read_text())["steps"] == 3
+    weights = sorted(p.name for p in out.glob("*.safetensors"))
+    if mode == "distill":
+        assert weights == ["kvpop_scorers.safetensors", "model.safetensors"]
+    else:
+        assert weights == ["kvpop_scorers.safetensors"]
+    loaded, loaded_tokenizer = kvpop.load_retrofitted(out)
+    assert loaded_tokenizer is not None
+    ids = torch.randint(1, 100, (1, 32))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_the_workers_must_leave_ray_data_a_cpu(monkeypatch):
+    import ray
+
+    from pipelines.cluster import require_resources
+
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 4.0, "GPU": 1.0})
+    require_resources("2 workers × 1.5 CPUs", 3.0, 1)
+    with pytest.raises(ConfigError, match="2 workers × 2 CPUs = 4 CPUs leaves none of the cluster's 4 to Ray Data"):
+        require_resources("2 workers × 2 CPUs", 4.0)
+    with pytest.raises(ConfigError, match="needs 2 GPUs; the cluster has 1"):
+        require_resources("2 GPU workers", 2.0, 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from kvpop.budget import Budget
 from kvpop.policies.base import DynamicPolicy, LayerView, Policy, StaticPolicy
 from kvpop.policies.dense import Dense
+from kvpop.policies.dms import DMS
 from kvpop.policies.h2o import H2O
 from kvpop.policies.kvpop import KVpop
 from kvpop.policies.oracle import Oracle
@@ -11,7 +12,8 @@ from kvpop.policies.random import RandomPriority
 from kvpop.policies.streaming import Streaming
 from kvpop.policies.tova import TOVA
 
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Dense, Streaming, RandomPriority, Oracle, KVpop, TOVA, H2O)}
+POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Dense, Streaming, RandomPriority, Oracle, KVpop, TOVA,
+                                                                H2O, DMS)}
 
 
 def build_policy(name: str, budget: Budget | None = None, **options) -> Policy:
@@ -31,4 +33,4 @@ def build_policy(name: str, budget: Budget | None = None, **options) -> Policy:
 
 
 __all__ = ["POLICIES", "build_policy", "Policy", "StaticPolicy", "DynamicPolicy", "LayerView", "Dense", "Streaming",
-           "RandomPriority", "Oracle", "KVpop", "TOVA", "H2O"]
+           "RandomPriority", "Oracle", "KVpop", "TOVA", "H2O", "DMS"]

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from kvpop.budget import Budget
+from kvpop.retention import with_recency
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Policy:
 
     name: ClassVar[str] = "policy"
     dynamic: ClassVar[bool] = False
+    ragged: ClassVar[bool] = False  # per-token decisions, no fixed budget: its own mask and cache (DMS)
 
     def __post_init__(self):
         if self.budget is not None and not isinstance(self.budget, Budget):
@@ -39,9 +41,7 @@ class Policy:
 
     def ranked(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Add the recency term: what the mask and the cache actually rank by."""
-        if self.recency == 0:
-            return priority
-        return priority + self.recency * positions.to(priority.dtype)
+        return with_recency(priority, self.recency, positions)
 
 
 class StaticPolicy(Policy):
@@ -51,9 +51,10 @@ class StaticPolicy(Policy):
         """Raw priorities ``[B, Hkv, S]`` for a whole sequence (may carry grad for training)."""
         return self.priorities_at(layer, positions, keys.shape[1])
 
-    def start(self, layer: LayerView, keys, values, valid, positions):
-        """Prefill from an empty cache: ``(priorities [B, Hkv, C], decode state)``."""
-        return self.sequence_priorities(layer, keys, values, valid, positions), None
+    def resume(self, layer: LayerView, keys, values, valid, positions, state):
+        """A chunk of new tokens at ``positions [B, 1, C]`` (from an empty cache: ``state=None``): ``(raw
+        priorities [B, Hkv, C] of the tokens at positions - window, the ones leaving the window, new state)``."""
+        return self.priorities_at(layer, positions - self.budget.window, keys.shape[1]), state
 
     def step(self, layer: LayerView, key, value, valid, position, state):
         """One new token at ``position [B]``: ``(raw priority of token position - window [B, Hkv], state)``."""
@@ -73,3 +74,9 @@ class DynamicPolicy(Policy):
     def observe(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """New per-slot scores from the old ones and this step's attention ``[B, Hkv, slots]``."""
         raise NotImplementedError
+
+    def observe_chunk(self, scores: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """``observe`` folded over a chunk's queries in order, ``probs [B, Hkv, queries, slots]``."""
+        for query in range(probs.shape[2]):
+            scores = self.observe(scores, probs[:, :, query])
+        return scores

@@ -13,3 +13,6 @@ class H2O(DynamicPolicy):
 
     def observe(self, scores, probs):
         return scores + probs
+
+    def observe_chunk(self, scores, probs):
+        return scores + probs.sum(2)

@@ -12,6 +12,7 @@ from typing import ClassVar
 import torch
 
 from kvpop.policies.base import StaticPolicy
+from kvpop.scorers.base import step_through
 
 
 def _scorer(layer):
@@ -22,14 +23,9 @@ def _scorer(layer):
 
 
 def _stepwise(scorer, keys, values, valid):
-    bsz, hkv, size, _ = keys.shape
-    state = scorer.init_state(bsz, keys.device)
-    prio = torch.zeros(bsz, hkv, size, device=keys.device)
-    for tau in range(size):
-        p, state = scorer.step(keys[:, :, tau], values[:, :, tau], state, valid=None if valid is None else valid[:, tau])
-        if tau >= scorer.window:
-            prio[:, :, tau - scorer.window] = p
-    return prio, state
+    """Priorities ``[B, Hkv, S]`` of a whole sequence from the recurrent step (the last ``window`` stay 0)."""
+    prio, _ = step_through(scorer, keys, values, scorer.init_state(keys.shape[0], keys.device), valid)
+    return torch.nn.functional.pad(prio[..., scorer.window:], (0, min(scorer.window, keys.shape[2])))
 
 
 @dataclass(frozen=True)
@@ -39,13 +35,16 @@ class KVpop(StaticPolicy):
 
     def sequence_priorities(self, layer, keys, values, valid, positions):
         if self.stepwise:
-            return _stepwise(_scorer(layer), keys, values, valid)[0]
+            return _stepwise(_scorer(layer), keys, values, valid)
         return _scorer(layer)(keys, values, valid=valid)
 
-    def start(self, layer, keys, values, valid, positions):
+    def resume(self, layer, keys, values, valid, positions, state):
+        scorer = _scorer(layer)
+        if state is None:
+            state = scorer.init_state(keys.shape[0], keys.device)
         if self.stepwise:
-            return _stepwise(_scorer(layer), keys, values, valid)
-        return _scorer(layer)(keys, values, valid=valid, return_state=True)
+            return step_through(scorer, keys, values, state, valid)
+        return scorer.resume(keys, values, state, valid=valid)
 
     def step(self, layer, key, value, valid, position, state):
         scorer = _scorer(layer)

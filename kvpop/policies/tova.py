@@ -13,3 +13,6 @@ class TOVA(DynamicPolicy):
 
     def observe(self, scores, probs):
         return probs
+
+    def observe_chunk(self, scores, probs):
+        return probs[:, :, -1]  # the chunk's last query decides

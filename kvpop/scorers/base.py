@@ -11,9 +11,13 @@ Two equivalent paths:
 * `step(key, value, state, valid)` takes the token of call τ (counting from 0) and returns the
   priority of token τ - window, the one that leaves the window now (decoding).
 
-Contract: `forward(...)[..., t] == step(...)` at call τ = t + window, for every t <= S-1-window.
-Tokens t > S-1-window have not been read yet: forward still returns finite priorities for them
-(stateful scorers read them with the memory after the last token), but callers must not use them.
+* `resume(keys, values, state, valid)` continues from a state with a chunk of C calls at once and
+  returns what those C calls of step() return (chunked prefill: memory bounded by the chunk, not S).
+
+Contract: `forward(...)[..., t] == step(...)` at call τ = t + window, for every t <= S-1-window, and
+`resume(...) == ` the C steps it replaces. Tokens t > S-1-window have not been read yet: forward still
+returns finite priorities for them (stateful scorers read them with the memory after the last token),
+but callers must not use them.
 """
 from __future__ import annotations
 
@@ -106,6 +110,13 @@ class Scorer(nn.Module, ABC):
         """key, value [B, Hkv, D] of call τ; valid [B] bool. Returns (priority of token τ - window
         [B, Hkv] float32, new state). For τ < window the priority is finite but meaningless.
         Padding calls (valid=False) still advance the call counter, like positions in forward()."""
+
+    def resume(self, keys: torch.Tensor, values: torch.Tensor, state: State,
+               valid: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+        """keys, values [B, Hkv, C, D]: C calls from `state` at once; valid [B, C]. Returns (priorities
+        [B, Hkv, C] of the tokens leaving the window at each call, new state) — exactly `step_through`.
+        This default steps; scorers override it with their parallel form."""
+        return step_through(self, keys, values, state, valid)
 
     def state_nbytes(self, batch_size: int) -> int:
         """Bytes of decode state for `batch_size` sequences: fixed, whatever the number of steps."""
@@ -200,3 +211,39 @@ def ring_swap(ring: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple
     index = (pos % window).view(B, 1, 1, *([1] * len(trailing))).expand(B, H, 1, *trailing)
     old = ring.gather(2, index).squeeze(2)
     return old, ring.scatter(2, index, new.unsqueeze(2).to(ring.dtype))
+
+
+def ring_ordered(ring: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The entries of tokens pos - window … pos - 1, oldest first, from the ring after `pos` [B] calls."""
+    B, H, window = ring.shape[:3]
+    trailing = ring.shape[3:]
+    index = (pos[:, None] + torch.arange(window, device=ring.device)) % window  # token pos - window + j
+    index = index.view(B, 1, window, *([1] * len(trailing))).expand(B, H, window, *trailing)
+    return ring.gather(2, index)
+
+
+def ring_leaving(ring: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """What C calls of `ring_swap` from call `pos` with entries `new` [B, H, C, *E] hand out, in order: the
+    entries of tokens pos - window … pos + C - 1 - window."""
+    return torch.cat([ring_ordered(ring, pos), new.to(ring.dtype)], dim=2)[:, :, :new.shape[2]]
+
+
+def ring_append(ring: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """The ring after C calls from call `pos` wrote `new` [B, H, C, *E] (out of place)."""
+    B, H, window = ring.shape[:3]
+    trailing = ring.shape[3:]
+    last = torch.cat([ring_ordered(ring, pos), new.to(ring.dtype)], dim=2)[:, :, -window:]  # tokens pos+C-window…
+    index = (pos[:, None] + new.shape[2] + torch.arange(window, device=ring.device)) % window
+    index = index.view(B, 1, window, *([1] * len(trailing))).expand(B, H, window, *trailing)
+    return torch.empty_like(ring).scatter_(2, index, last)
+
+
+def step_through(scorer: Scorer, keys: torch.Tensor, values: torch.Tensor, state: State,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, State]:
+    """C calls of `scorer.step`: (priorities [B, Hkv, C] they return, final state) — the reference every
+    `resume` is held to, and bit-identical to decoding."""
+    out = []
+    for i in range(keys.shape[2]):
+        p, state = scorer.step(keys[:, :, i], values[:, :, i], state, valid=None if valid is None else valid[:, i])
+        out.append(p)
+    return torch.stack(out, dim=-1), state

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpop.scorers.base import PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_from_sequence, ring_swap
+from kvpop.scorers.base import (PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_append, ring_from_sequence,
+                                ring_leaving, ring_swap, token_features)
 
 
 @dataclass(frozen=True)
@@ -47,3 +48,10 @@ class MLPScorer(Scorer):
             p_new = self.mlp(x)[:, :, 0]  # [B, H]
         p_out, p_ring = ring_swap(state["p_ring"], state["pos"], p_new)
         return p_out, {"p_ring": p_ring, "pos": state["pos"] + 1}
+
+    def resume(self, keys, values, state, valid=None):
+        with fp32_region(keys.device):
+            p_new = self.mlp(token_features(keys, values, valid, self.config.norm_eps))  # [B, H, C]
+        pos = state["pos"]
+        return ring_leaving(state["p_ring"], pos, p_new), {"p_ring": ring_append(state["p_ring"], pos, p_new),
+                                                           "pos": pos + keys.shape[2]}

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from mlstm_kernels.torch.backend_module import mLSTMBackend, mLSTMBackendConfig
 
-from kvpop.scorers.base import (PerHeadLinear, PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_from_sequence,
-                                ring_swap)
+from kvpop.scorers.base import (PerHeadLinear, PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_append,
+                                ring_from_sequence, ring_leaving, ring_swap, token_features)
 
 # Triton's tl.dot rounds float32 inputs to TF32 by default: measured on an H200, the Triton mLSTM kernels then
 # disagree with the native ones and with step() by ~3e-3 in priority (IEEE: ~4e-6, and no slower). The choice is
@@ -202,6 +202,37 @@ class MLSTMScorer(Scorer):
             if not self.delayed:  # this token's priority goes in; the one leaving the window comes out
                 p, new_state["p_ring"] = ring_swap(state["p_ring"], pos, p)
         new_state.update(c=c.view(B, H, NH, *c.shape[2:]), n=n.view(B, H, NH, -1), m=m.view(B, H, NH))
+        return p, new_state
+
+    def resume(self, keys, values, state, valid=None):
+        """The chunkwise kernel started from the state's memory; the delayed reads take their queries from the
+        ring (tokens before the chunk) and from the chunk itself."""
+        B, H, C, _ = keys.shape
+        NH, L = self.config.num_heads, self.config.chunk_size
+        pos = state["pos"]
+        with fp32_region(keys.device):
+            x = token_features(keys, values, valid, self.config.norm_eps)
+            own = self.own(x)  # [B, H, C]
+            q, k, v, i, f = self._project(x, valid)
+            new_state = {"pos": pos + C}
+            if self.delayed:  # call τ reads token τ - window with that token's query
+                q_seq = q.transpose(2, 3)  # [B, H, C, NH, dqk]
+                q = ring_leaving(state["q_ring"], pos, q_seq).transpose(2, 3)
+                new_state["q_ring"] = ring_append(state["q_ring"], pos, q_seq)
+                own, new_state["own_ring"] = ring_leaving(state["own_ring"], pos, own), ring_append(
+                    state["own_ring"], pos, own)
+            T = -(-C // L) * L  # no-write padding up to a multiple of the chunk size; its reads are dropped
+            q, k, v = (F.pad(t, (0, 0, 0, T - C)) for t in (q, k, v))
+            i, f = F.pad(i, (0, T - C), value=NO_WRITE_I), F.pad(f, (0, T - C), value=NO_WRITE_F)
+            flat = lambda t: t.reshape(B, H * NH, *t.shape[3:]).contiguous()  # noqa: E731
+            h, (c, n, m) = self._backend(keys.device)(
+                flat(q), flat(k), flat(v), flat(i), flat(f), c_initial=flat(state["c"]), n_initial=flat(state["n"]),
+                m_initial=flat(state["m"])[..., None], return_last_states=True, mode="train")
+            p = self._priority(h.view(B, H, NH, T, -1)[:, :, :, :C], own)
+        if not self.delayed:  # the chunk's priorities go in; those of the tokens leaving the window come out
+            p, new_state["p_ring"] = ring_leaving(state["p_ring"], pos, p), ring_append(state["p_ring"], pos, p)
+        new_state.update(c=c.clone().view(B, H, NH, *c.shape[2:]), n=n.clone().view(B, H, NH, -1),
+                         m=m.clone().view(B, H, NH))
         return p, new_state
 
 

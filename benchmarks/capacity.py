@@ -1,0 +1,501 @@
+"""Serving capacity (issue 14): the largest batch that fits on one GPU, and its decode throughput, for dense at its
+best and for KVpop at B = 2048 and 1024, at 8k / 32k / 128k context, for SmolLM2-135M's and Qwen3-0.6B's shapes
+(random weights); the byte floor next to every figure; prefill time and peak memory.
+
+* **Dense at its best**: each row's keys/values in an exact-sized preallocated buffer (``context`` slots per layer),
+  one decoding step of the whole model captured as a CUDA graph, attention by SDPA with the query heads grouped on
+  their KV head and no mask (a flash decoding kernel on CUDA). To keep the step's shapes constant (a graph replays
+  fixed shapes) the new token overwrites the oldest slot: every timed step attends to exactly ``context`` tokens,
+  which is what dense decoding at that context reads. Its prefill: one flash causal pass over the prompt.
+* **KVpop**: the mLSTM scorer, budget ``Budget(4, 256, B - 260)``, the prompt prefilled in chunks
+  (:func:`kvpop.prefill`, bounded memory), one decoding step of the whole model captured as a CUDA graph
+  (:class:`kvpop.decode.GraphedDecoder`; ``--compile`` also fuses each layer's KVpop step with torch.compile).
+* **Largest batch**: one real prefill of a single row, then the per-row state (dense: ``context`` tokens of K/V;
+  KVpop: its slots, metadata and scorer state, measured) and a per-row estimate of a step's activations give the
+  batch from the free memory (``--margin-gib`` kept back); the row is replicated to that batch (the decode state a
+  prefill of every row would leave — prefilling hundreds of rows at 128k would take longer than the whole run) and a
+  step is captured; on running out of memory the batch backs off by 10 %. Then ``--fractions`` of it are timed too.
+* **Byte floor** of a step: weights + the state it reads (dense K/V; KVpop K/V + metadata + scorer state) ÷ the
+  device copy bandwidth measured in the same run.
+
+    python benchmarks/capacity.py --preset h200 --out benchmarks/results/capacity_h200.json   # ~5 GPU minutes
+    python benchmarks/capacity.py --preset cpu-tiny                                           # a smoke run on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.decode import copy_bandwidth, time_steps, weight_bytes  # noqa: E402
+
+SHAPES = {  # (architecture, config): the published models' shapes, random weights
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                   num_key_value_heads=3, head_dim=64, vocab_size=49152, rope_theta=100000.0)),
+    "qwen3-0.6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)),
+    "tiny-llama": ("llama", dict(hidden_size=96, intermediate_size=128, num_hidden_layers=2, num_attention_heads=6,
+                                 num_key_value_heads=2, head_dim=16, vocab_size=257)),
+    "tiny-qwen3": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=16, vocab_size=300)),
+}
+
+PRESETS = {
+    "h200": dict(models=["qwen3-0.6b", "smollm2-135m"], contexts=[131072, 32768, 8192], budgets=[2048, 1024],
+                 sink=4, window=256, dtype="bfloat16", steps=20, fractions=[1.0, 0.5, 0.25], prefill_chunk=2048,
+                 margin_gib=4.0, memory_gib=None, max_batch=1 << 16, time_limit=285.0),
+    "cpu-tiny": dict(models=["tiny-llama", "tiny-qwen3"], contexts=[256, 128], budgets=[64, 40], sink=2, window=16,
+                     dtype="float32", steps=2, fractions=[1.0, 0.5], prefill_chunk=32, margin_gib=0.0,
+                     memory_gib=0.004, max_batch=8, time_limit=600.0),
+}
+DENSE_ATTENTION = "kvpop_capacity_dense"
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _gib(nbytes) -> float:
+    return nbytes / 2**30
+
+
+def build_model(name: str, dtype, device, max_len: int):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    arch, shape = SHAPES[name]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    config = config_cls(**shape, max_position_embeddings=max_len, tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with torch.device(device):
+        return model_cls(config).to(dtype).eval()
+
+
+# -----------------------------------------------------------------------------
+# dense at its best: an exact-sized buffer per layer, SDPA (GQA grouped, no mask), a graphed step
+
+
+def _dense_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Prefill: causal over the prompt; decoding: the query against every slot of the buffer."""
+    group = query.shape[1] // key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=query.shape[2] > 1,
+                                                           scale=scaling, enable_gqa=group > 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_dense_attention(model) -> None:
+    from transformers import AttentionInterface
+
+    from kvpop.attention import passthrough_mask
+
+    AttentionInterface.register(DENSE_ATTENTION, _dense_attention)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface
+        AttentionMaskInterface.register(DENSE_ATTENTION, passthrough_mask)
+    except ImportError:  # pragma: no cover - very old transformers
+        pass
+    model.config._attn_implementation = DENSE_ATTENTION
+
+
+def dense_cache(model, batch: int, length: int):
+    """A transformers Cache of exact-sized ring buffers ``[batch, Hkv, length, D]``, one per layer."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    index = torch.zeros(1, dtype=torch.long, device=model.device)  # the slot the next decoding step overwrites
+
+    class RingLayer(CacheLayerMixin):
+        is_compileable = False
+        is_sliding = False
+
+        def __init__(self):
+            super().__init__()
+            shape = (batch, cfg.num_key_value_heads, length, head_dim)
+            self.keys = torch.empty(shape, dtype=model.dtype, device=model.device)
+            self.values = torch.empty_like(self.keys)
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states):
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if key_states.shape[2] == 1:
+                self.keys.index_copy_(2, index, key_states)
+                self.values.index_copy_(2, index, value_states)
+                return self.keys, self.values
+            self.keys[:, :, :key_states.shape[2]] = key_states
+            self.values[:, :, :value_states.shape[2]] = value_states
+            return key_states, value_states
+
+        def get_seq_length(self):
+            return length
+
+        def get_mask_sizes(self, query_length):
+            return length + query_length, 0
+
+        def get_max_length(self):
+            return length
+
+    cache = Cache(layers=[RingLayer() for _ in range(cfg.num_hidden_layers)])
+    cache.ring_index = index
+    return cache
+
+
+# -----------------------------------------------------------------------------
+# measurements
+
+
+# aten operators that launch no kernel of their own (views, allocation, dispatch helpers)
+NO_KERNEL = {"alias", "as_strided", "as_strided_", "chunk", "contiguous", "detach", "empty", "empty_like",
+             "empty_strided", "expand", "expand_as", "flatten", "lift_fresh", "narrow", "permute", "reshape",
+             "_reshape_alias", "resolve_conj", "resolve_neg", "result_type", "select", "slice", "split",
+             "split_with_sizes", "squeeze", "t", "to", "_to_copy", "transpose", "unbind", "unflatten", "unsqueeze",
+             "_unsafe_view", "view", "view_as"}
+
+
+def kernels_per_step(step, device) -> int:
+    """Kernels one call of ``step`` launches: on CUDA as the profiler sees them; on CPU, the outermost aten operators
+    that compute (looking through views and conversions to what they call), ~ what would launch on a GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
+    with torch.no_grad(), profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    events = prof.events()
+    if device.type == "cuda":
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    def computing(event):
+        if event.name.removeprefix("aten::") not in NO_KERNEL:
+            return 1
+        return sum(computing(c) for c in event.cpu_children if c.name.startswith("aten::"))
+
+    outermost = [e for e in events if e.name.startswith("aten::")
+                 and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    return sum(computing(e) for e in outermost)
+
+
+def step_activation_bytes(model, extra_per_layer: int = 0) -> int:
+    """A generous per-row estimate of one decoding step's transient memory: logits (and their float32 copy), the
+    hidden and MLP activations, and whatever a layer's cache step allocates (``extra_per_layer``)."""
+    cfg = model.config
+    size = model.dtype.itemsize
+    return (cfg.vocab_size * (size + 4) + 16 * cfg.hidden_size * size + 4 * cfg.intermediate_size * size
+            + 4 * extra_per_layer)
+
+
+def free_bytes(device, args) -> int:
+    if args["memory_gib"] is not None:
+        return int(args["memory_gib"] * 2**30)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0] - int(args["margin_gib"] * 2**30)
+
+
+def _oom_cleanup(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Config:
+    """One (model, policy, context): prefill one row, then decoding at the largest batch and at fractions of it."""
+
+    def __init__(self, model, name, policy, context, budget, args, device, bandwidth):
+        self.model, self.name, self.policy, self.context, self.budget = model, name, policy, context, budget
+        self.args, self.device, self.bandwidth = args, device, bandwidth
+        self.weights = weight_bytes(model)
+
+    def row(self, **fields):
+        return {"model": self.name, "policy": self.policy, "context": self.context, **fields}
+
+    # -- prefill of one row
+
+    def prefill(self):
+        import kvpop
+
+        cfg = self.model.config
+        ids = torch.randint(0, cfg.vocab_size, (1, self.context), device=self.device)
+        self._reset_peak()
+        before = self._allocated()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if self.policy == "dense":
+                cache = dense_cache(self.model, 1, self.context)
+                self.model(input_ids=ids, position_ids=torch.arange(self.context, device=self.device)[None],
+                           use_cache=True, logits_to_keep=1, **{_cache_kwarg(): cache})
+                kv_peak = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+                state = kv_peak
+            else:
+                cache = kvpop.prefill(self.model, ids, chunk=self.args["prefill_chunk"])
+                kv_peak = cache.peak_kv_bytes
+                state = sum(cache.nbytes().values())
+        _sync(self.device)
+        seconds = time.perf_counter() - t0
+        self.cache, self.state_per_row = cache, state
+        return {"prefill_s": seconds, "prefill_tokens_per_s": self.context / seconds,
+                "prefill_peak_gib": _gib(self._peak() - before) if self.device.type == "cuda" else None,
+                "prefill_kv_peak_gib": _gib(kv_peak), "state_per_row_gib": _gib(state),
+                "prefill_chunk": None if self.policy == "dense" else self.args["prefill_chunk"]}
+
+    # -- decoding at one batch
+
+    def decoder(self, batch: int):
+        """``(replay, bytes read per step, kernels per step)`` for ``batch`` rows, the one prefilled row replicated."""
+        import kvpop
+        from kvpop.decode import capture_graph
+
+        cfg = self.model.config
+        ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=self.device)
+        position = torch.full((batch, 1), self.context, device=self.device)
+        if self.policy == "dense":
+            cache = dense_cache(self.model, batch, self.context)
+            for layer, row in zip(cache.layers, self.cache.layers):
+                layer.keys.copy_(row.keys.expand_as(layer.keys))
+                layer.values.copy_(row.values.expand_as(layer.values))
+
+            def forward():
+                logits = self.model(input_ids=ids, position_ids=position, use_cache=True, logits_to_keep=1,
+                                    **{_cache_kwarg(): cache}).logits
+                cache.ring_index.add_(1).remainder_(self.context)  # the next step overwrites the next oldest slot
+                return logits
+
+            kernels = kernels_per_step(forward, self.device) if self.args["count_kernels"] else None
+            state = batch * self.state_per_row
+            if self.device.type == "cuda":
+                graph, _ = capture_graph(forward)
+                return graph.replay, state, kernels
+            return forward, state, kernels
+        cache = self.cache.repeated(batch)
+        decoder = kvpop.decode.GraphedDecoder(self.model, cache, snapshot=False)
+
+        def forward():
+            return self.model(input_ids=ids, position_ids=position, use_cache=True, logits_to_keep=1,
+                              **{_cache_kwarg(): cache}).logits
+
+        kernels = kernels_per_step(forward, self.device) if self.args["count_kernels"] else None
+        state = sum(cache.nbytes().values())
+        if self.device.type == "cuda":
+            decoder(ids, position)  # captures (warm-up steps included), then one replay
+            return decoder.graph.replay, state, kernels
+        return forward, state, kernels
+
+    def decode(self, batch: int) -> dict:
+        self._reset_peak()
+        replay, state, kernels = self.decoder(batch)
+        with torch.no_grad():
+            replay()
+            step = time_steps(replay, self.args["steps"], self.device)
+        floor = (self.weights + state) / self.bandwidth
+        return {"batch": batch, "step_ms": 1e3 * step, "tokens_per_s": batch / step, "floor_ms": 1e3 * floor,
+                "x_floor": step / floor, "state_gib": _gib(state), "kv_exceeds_weights": state > self.weights,
+                "kernels_per_step": kernels,
+                "decode_peak_gib": _gib(self._peak()) if self.device.type == "cuda" else None}
+
+    def largest_batch(self):
+        """From the memory model, verified by running it; backs off by 10 % on running out of memory."""
+        extra = 0 if self.policy == "dense" else 4 * self.budget * self.model.config.num_key_value_heads * 8
+        per_row = self.state_per_row + step_activation_bytes(self.model, extra)
+        batch = max(1, min(self.args["max_batch"], free_bytes(self.device, self.args) // per_row))
+        for attempt in range(5):
+            try:
+                return batch, attempt, self.decode(batch)
+            except (torch.OutOfMemoryError, RuntimeError) as err:  # a graph capture reports it as a RuntimeError
+                if "out of memory" not in str(err).lower():
+                    raise
+                _oom_cleanup(self.device)
+                batch = max(1, int(batch * 0.9))
+        return batch, 5, None
+
+    # -- helpers
+
+    def _reset_peak(self):
+        _oom_cleanup(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+
+    def _allocated(self):
+        return torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
+
+    def _peak(self):
+        return torch.cuda.max_memory_allocated() if self.device.type == "cuda" else 0
+
+
+def _cache_kwarg():
+    from kvpop.cache import CACHE_KWARG
+    return CACHE_KWARG
+
+
+def run_config(model, name, policy, context, budget, args, device, bandwidth, result, started, out):
+    """Prefill, the largest batch, then the fractions of it; rows appended to ``result`` as they come. A failure
+    is recorded as a row and the run goes on (an unattended GPU session should not lose the other figures)."""
+    config = Config(model, name, policy, context, budget, args, device, bandwidth)
+    stage = "prefill"
+    try:
+        prefill = config.prefill()
+        stage = "largest batch"
+        batch, backoffs, first = config.largest_batch()
+        if first is None:
+            _emit(result, out, config.row(**prefill, error="out of memory at every batch tried"))
+            return
+        _emit(result, out, config.row(**prefill, largest_batch=batch, backoffs=backoffs, **first))
+        for fraction in args["fractions"][1:]:
+            smaller = max(1, int(batch * fraction))
+            if smaller == batch or time.perf_counter() - started > args["time_limit"]:
+                continue
+            stage = f"batch {smaller}"
+            _emit(result, out, config.row(**config.decode(smaller)))
+    except Exception as err:  # noqa: BLE001 - recorded, see the docstring
+        message = (str(err).strip().splitlines() or [""])[0][:200]
+        _emit(result, out, config.row(error=f"{stage}: {type(err).__name__}: {message}"))
+    finally:
+        config.cache = None
+        _oom_cleanup(device)
+
+
+def _emit(result, out, row):
+    result["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--models", nargs="*", choices=sorted(SHAPES))
+    parser.add_argument("--contexts", type=int, nargs="*")
+    parser.add_argument("--budgets", type=int, nargs="*", help="KVpop budgets B (sink and window fixed by the preset)")
+    parser.add_argument("--policies", nargs="*", default=["dense", "kvpop"], choices=["dense", "kvpop"])
+    parser.add_argument("--steps", type=int, help="timed decoding steps per batch (after warm-up)")
+    parser.add_argument("--fractions", type=float, nargs="*", help="batches timed, as fractions of the largest")
+    parser.add_argument("--prefill-chunk", type=int)
+    parser.add_argument("--margin-gib", type=float, help="device memory kept back when sizing the batch")
+    parser.add_argument("--memory-gib", type=float, help="size batches for this much memory instead of the free")
+    parser.add_argument("--max-batch", type=int)
+    parser.add_argument("--time-limit", type=float, help="start no new configuration after this many seconds")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each layer's KVpop decoding step")
+    parser.add_argument("--no-kernel-count", action="store_true", help="skip profiling one step per batch")
+    parser.add_argument("--render", metavar="RESULT.json", help="print the tables of a result file and exit")
+    ns = parser.parse_args(argv)
+    if ns.render:
+        print(table(json.loads(Path(ns.render).read_text())))
+        return None
+    args = dict(PRESETS[ns.preset])
+    for key in ("models", "contexts", "budgets", "steps", "fractions", "prefill_chunk", "margin_gib", "memory_gib",
+                "max_batch", "time_limit"):
+        if getattr(ns, key) is not None:
+            args[key] = getattr(ns, key)
+    args["count_kernels"] = not ns.no_kernel_count
+    for budget in args["budgets"]:
+        if budget <= args["sink"] + args["window"]:
+            parser.error(f"budget {budget} must exceed sink + window = {args['sink'] + args['window']}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and args["memory_gib"] is None:
+        parser.error("on CPU pass --memory-gib (there is no device memory to size the batch from)")
+    return run(args, ns, device)
+
+
+def run(args, ns, device):
+    import kvpop
+
+    started = time.perf_counter()
+    dtype = getattr(torch, args["dtype"])
+    bandwidth = copy_bandwidth(device, 2.0 if device.type == "cuda" else 0.05)
+    result = {"preset": ns.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else
+              platform.processor() or platform.machine(), "torch": torch.__version__, "dtype": args["dtype"],
+              "copy_bandwidth_gbs": bandwidth / 1e9, "sink": args["sink"], "window": args["window"],
+              "compiled_kvpop_step": ns.compile, "steps": args["steps"], "models": {}, "rows": []}
+    if device.type == "cuda":
+        result["device_memory_gib"] = _gib(torch.cuda.get_device_properties(0).total_memory)
+    out = Path(ns.out) if ns.out else None
+    max_len = max(args["contexts"]) + 1024
+    for name in args["models"]:
+        model = build_model(name, dtype, device, max_len)
+        result["models"][name] = {**SHAPES[name][1], "architecture": SHAPES[name][0],
+                                  "weights_gib": _gib(weight_bytes(model))}
+        kvpop.retrofit(model, kvpop.Budget(args["sink"], args["window"], max(args["budgets"]) - args["sink"] -
+                                           args["window"]), scorer="mlstm")
+        model.kvpop_runtime.compile_decode = ns.compile
+        plan = [(context, policy, budget) for context in args["contexts"]
+                for policy, budget in ([("dense", None)] if "dense" in ns.policies else [])
+                + ([("kvpop", b) for b in args["budgets"]] if "kvpop" in ns.policies else [])]
+        for context, policy, budget in plan:
+            label = "dense" if policy == "dense" else f"kvpop-B{budget}"
+            if time.perf_counter() - started > args["time_limit"]:
+                _emit(result, out, {"model": name, "policy": label, "context": context, "skipped": "time limit"})
+                continue
+            if policy == "dense":
+                use_dense_attention(model)
+            else:
+                model.config._attn_implementation = "kvpop"
+                kvpop.set_policy(model, "kvpop", kvpop.Budget(args["sink"], args["window"],
+                                                              budget - args["sink"] - args["window"]))
+            t0 = time.perf_counter()
+            run_config(model, name, label, context, budget, args, device, bandwidth, result, started, out)
+            print(f"# {name} {label} {context}: {time.perf_counter() - t0:.1f} s", flush=True)
+        del model
+        _oom_cleanup(device)
+    result["seconds"] = time.perf_counter() - started
+    print(table(result))
+    if out:
+        out.write_text(json.dumps(result, indent=2))
+        out.with_suffix(".md").write_text(table(result) + "\n")
+    return result
+
+
+def _fmt(value, spec):
+    return "—" if value is None else format(value, spec)
+
+
+def table(result) -> str:
+    """Two markdown tables: decoding (every batch) and prefill (one row per model, policy and context)."""
+    lines = [f"Serving capacity on {result['device']} ({result['dtype']}, copy bandwidth "
+             f"{result['copy_bandwidth_gbs']:.0f} GB/s, {result['steps']} timed steps per batch, KVpop sink "
+             f"{result['sink']} / window {result['window']}, KVpop step compiled: {result['compiled_kvpop_step']})",
+             "", "Models (random weights): " + "; ".join(
+                 f"{name}: {m['num_hidden_layers']} layers, {m['num_attention_heads']}/{m['num_key_value_heads']} "
+                 f"heads × {m['head_dim']}, weights {m['weights_gib']:.2f} GiB"
+                 for name, m in result["models"].items()),
+             "", "**Decoding** (largest batch that fits first, then smaller ones)", "",
+             "| model | policy | context | batch | largest? | ms/step | tokens/s | floor ms | × floor | state GiB "
+             "| K/V > weights | kernels/step | decode peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        head = f"| {r['model']} | {r['policy']} | {r['context']} |"
+        if "skipped" in r or "error" in r:
+            lines.append(f"{head} {r.get('skipped', r.get('error'))} | | | | | | | | | |")
+            continue
+        lines.append(f"{head} {r['batch']} | {'yes' if 'largest_batch' in r else ''} | {r['step_ms']:.2f} | "
+                     f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['x_floor']:.2f} | {r['state_gib']:.2f} | "
+                     f"{'yes' if r['kv_exceeds_weights'] else 'no'} | {_fmt(r.get('kernels_per_step'), 'd')} | "
+                     f"{_fmt(r.get('decode_peak_gib'), '.1f')} |")
+    lines += ["", "**Prefill** (one row)", "",
+              "| model | policy | context | chunk | seconds | tokens/s | peak GiB (above weights) | K/V peak GiB | "
+              "state per row GiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "prefill_s" in r:
+            lines.append(f"| {r['model']} | {r['policy']} | {r['context']} | {_fmt(r['prefill_chunk'], 'd')} | "
+                         f"{r['prefill_s']:.2f} | {r['prefill_tokens_per_s']:.0f} | "
+                         f"{_fmt(r['prefill_peak_gib'], '.2f')} | {r['prefill_kv_peak_gib']:.3f} | "
+                         f"{r['state_per_row_gib']:.4g} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,166 @@
+"""The evaluation's three parts on one model, as tagged per-item records (the stage bootstraps them).
+
+* ``text``: the held-out sequences teacher-forced under every setting (:func:`kvpop.evaluation.teacher_forced_items`);
+* ``recall``: the recall-task samples — greedy exact match of the answer, and the gold answer teacher-forced
+  (log-probability, rank of its first token, all tokens greedy); a cell (task, context, depth) is a *headline* cell
+  when dense's exact match there reaches ``eval.task_min_dense``;
+* ``generation``: the held-out problems (:mod:`pipelines.problems`) — tokens until the first divergence from dense,
+  KL and top-1 agreement on dense's continuation teacher-forced, the final answer, whether it equals dense's
+  (``answer_agrees``, where dense gave one) and the reference answer (``solved``, on the problems dense solves).
+
+Each record gets ``part``, the item's string id, and its generated text (decoded; the token ids are dropped). The
+inputs come from here too: the held-out sequences, the training documents, the checkpoint's model and tokenizer. The
+recall tasks (:mod:`pipelines.recall`: ``TaskSpec``, ``generate_samples``, ``score_text``,
+``gold_logprob_and_rank``) are used here and nowhere else in the stage.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+import kvpop
+from kvpop import evaluation as runner
+from kvpop.pretrained import load_pretrained
+from pipelines import recall
+from pipelines import problems as long_prompts
+from pipelines.config import PipelineConfig
+from pipelines.data import load_sequences
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def heldout_sequences(cfg: PipelineConfig, tokenizer) -> list[dict]:
+    """The data stage's ``eval`` split: ``[{"id", "input_ids", "docs"}]``."""
+    return load_sequences(cfg, split="eval", tokenizer=tokenizer)
+
+
+def training_documents(cfg: PipelineConfig, tokenizer) -> list[str]:
+    """Ids of the documents the training split was cut from."""
+    return [doc for s in load_sequences(cfg, split="train", tokenizer=tokenizer) for doc in s["docs"]]
+
+
+def checkpoint_tokenizer(path: Path):
+    """The tokenizer saved with the checkpoint (``kvpop.save_retrofitted(..., tokenizer)``), if any."""
+    if not (path / "tokenizer_config.json").is_file():
+        return None
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_models(cfg: PipelineConfig, path: Path, device):
+    """The retrofitted model, and the dense reference when the base model was fine-tuned (distill) else None."""
+    model, _ = kvpop.load_retrofitted(path, dtype=DTYPES[cfg.model.dtype])
+    reference = None
+    if cfg.train.mode == "distill":
+        reference, _ = load_pretrained(cfg.model.resolved_path(), dtype=DTYPES[cfg.model.dtype])
+        reference.to(device).eval()
+    return model.to(device).eval(), reference
+
+
+def recall_samples(cfg: PipelineConfig, tokenizer, max_context: int | None) -> list:
+    """Every cell's samples: tasks × contexts × depths, ``eval.task_samples`` each, seeded by ``data.seed``."""
+    if not cfg.eval.task_samples:
+        return []
+    specs = [recall.TaskSpec(t, c, d, cfg.eval.task_samples, cfg.data.seed) for t in cfg.eval.tasks
+             for c in cfg.eval.task_contexts for d in cfg.eval.task_depths]
+    return [s for spec in specs for s in recall.generate_samples(spec, tokenizer, max_context=max_context)]
+
+
+def describe(cfg: PipelineConfig, p: dict) -> str:
+    """The report's head: what was evaluated, how, and what the column names mean."""
+    base = p["budgets"][0]
+    lines = [f"KVpop evaluation of {p['path']}",
+             f"{len(p['sequences'])} held-out sequences of {p['seq_len']} tokens; CR = 1 - B/{p['seq_len']}; sink "
+             f"{base.sink} and window {base.window} fixed, topk swept; streaming gets the same total as window",
+             "top1 = top-1 agreement with dense, kl = KL(dense || policy) in nats/token, acc = token accuracy; "
+             "intervals: 95% percentile bootstrap over items, paired for differences"]
+    if cfg.eval.dynamic_sequences and {"tova", "h2o"} & set(cfg.eval.policies):
+        lines.append(f"tova / h2o teacher-forced on the first {cfg.eval.dynamic_sequences} sequences (paired on those)")
+    if p["samples"]:
+        lines.append(f"recall: {len(p['samples'])} samples in {len(p['samples']) // cfg.eval.task_samples} cells "
+                     f"(tasks {', '.join(cfg.eval.tasks)}; contexts {list(cfg.eval.task_contexts)}; depths "
+                     f"{list(cfg.eval.task_depths)}), greedy {cfg.eval.max_new_tokens} tokens; headline cells: dense "
+                     f">= {cfg.eval.task_min_dense}")
+    if p["problems"]:
+        lines.append(f"generation: {len(p['problems'])} champ problems ({sum(q.seen_in_training for q in p['problems'])}"
+                     f" seen in training), greedy {cfg.eval.generation_tokens} tokens; diverge_at = tokens until the "
+                     f"first divergence from dense; answer = last \\boxed{{}} or last number")
+    if "oracle" in cfg.eval.policies and (p["samples"] or p["problems"]):
+        lines.append("oracle in generation: the teacher targets of the prompt + dense's continuation, by position")
+    return "\n".join(lines)
+
+
+def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
+                   progress: bool = True) -> tuple[list[dict], dict]:
+    """All per-item records of the three parts and the seconds each part took. ``inputs``: ``tokenizer``,
+    ``sequences``, ``budgets``, ``samples``, ``problems``, ``prompts`` (pipelines.evaluate.plan)."""
+    tok, ev = inputs["tokenizer"], cfg.eval
+    runs = runner.settings(ev.policies, inputs["budgets"])
+    others = len([s for s in runs if s.policy != "dense"])
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+    generation = dict(eos_id=tok.eos_token_id, pad_id=pad, batch_size=ev.generation_batch_size, reference=reference)
+    records, seconds = [], {}
+
+    def timed(part, total, fn):
+        t0 = time.perf_counter()
+        with tqdm(total=total, desc=part, unit="item", disable=not progress) as bar:
+            out = fn(bar.update)
+        seconds[part] = time.perf_counter() - t0
+        return out
+
+    sequences = inputs["sequences"]
+    ids = [torch.tensor(s["input_ids"]) for s in sequences]
+    found = timed("text", len(ids) * len(runs), lambda tick: runner.teacher_forced_items(
+        model, ids, runs, reference=reference, batch_size=ev.batch_size, dynamic_limit=ev.dynamic_sequences,
+        progress=tick))
+    records += [{"part": "text", **r, "item": sequences[r["item"]]["id"]} for r in found]
+    samples = inputs["samples"]
+    if samples:
+        found = timed("recall", len(samples) * others, lambda tick: runner.generation_items(
+            model, [s.prompt_ids for s in samples], runs, max_new_tokens=ev.max_new_tokens,
+            forced=[s.answer_ids for s in samples], progress=tick, **generation,
+            score=lambda logits, i: recall.gold_logprob_and_rank(  # the rows that predict the answer
+                logits, samples[i], start=len(samples[i].prompt_ids) - 1)))
+        records += recall_records(found, samples, tok, ev.task_min_dense)
+    if inputs["problems"]:
+        found = timed("generation", len(inputs["prompts"]) * others, lambda tick: runner.generation_items(
+            model, inputs["prompts"], runs, max_new_tokens=ev.generation_tokens, forced="dense", progress=tick,
+            **generation))
+        records += generation_records(found, inputs["problems"], tok)
+    return records, seconds
+
+
+def recall_records(found: list[dict], samples: list, tokenizer, min_dense: float) -> list[dict]:
+    out = []
+    for r in found:
+        sample, text = samples[r.pop("item")], tokenizer.decode(r.pop("tokens"), skip_special_tokens=True)
+        out.append({"part": "recall", **r, "item": sample.id, "task": sample.task, "context": sample.context,
+                    "depth": sample.depth, "exact": float(recall.score_text(sample, text)), "text": text})
+    cells: dict[tuple, list[float]] = {}
+    for r in out:
+        if r["policy"] == "dense":
+            cells.setdefault((r["task"], r["context"], r["depth"]), []).append(r["exact"])
+    good = {cell for cell, hits in cells.items() if sum(hits) / len(hits) >= min_dense}
+    for r in out:
+        r["headline"] = (r["task"], r["context"], r["depth"]) in good
+    return out
+
+
+def generation_records(found: list[dict], problems: list, tokenizer) -> list[dict]:
+    out = []
+    for r in found:
+        problem, text = problems[r.pop("item")], tokenizer.decode(r.pop("tokens"), skip_special_tokens=True)
+        answer = long_prompts.extract_answer(text)
+        out.append({"part": "generation", **r, "item": problem.id, "answer": answer, "text": text,
+                    "correct": float(long_prompts.same_answer(answer, problem.answer)),
+                    "seen_in_training": problem.seen_in_training})
+    dense = {r["item"]: r for r in out if r["policy"] == "dense"}
+    for r in out:
+        ref = dense.get(r["item"])
+        r["answer_agrees"] = None if ref is None or ref["answer"] is None else float(
+            long_prompts.same_answer(r["answer"], ref["answer"]))
+        r["solved"] = r["correct"] if ref is not None and ref["correct"] else None
+    return out

@@ -1,0 +1,216 @@
+"""kvpop.evaluation on tiny random Llamas: padding changes nothing, generation matches transformers' generate, and
+the item records hold what they claim (a budget that covers everything equals dense)."""
+import contextlib
+import copy
+import math
+
+import pytest
+import torch
+
+import kvpop
+from kvpop import Budget
+from kvpop import evaluation as EV
+from kvpop.cache import CACHE_KWARG
+from tests.models import tiny_model
+
+BUDGET = Budget(2, 4, 6)
+ALL = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and 2 threads on a busy 2-core box run ~50x slower (spin-waits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
+
+
+def setting(name, budget=BUDGET):
+    return EV.Setting(name) if name == "dense" else EV.Setting(name, budget)
+
+
+def prompts(lengths=(9, 14, 20), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 97, (n,), generator=g).tolist() for n in lengths]
+
+
+def targets_of(model, rows, window=BUDGET.window):
+    return [EV.teacher_targets(model, torch.tensor([r]), [window])[window][:, 0] for r in rows]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_left_padded_forcing_equals_each_row_alone(model, name):
+    rows = prompts()
+    ids, mask, _ = EV.left_pad(rows, pad_id=0)
+    table = EV.oracle_table(targets_of(model, rows), ids.shape[1]) if name == "oracle" else None
+    batched = EV.forced_logits(model, setting(name), ids, mask=mask, targets=table)
+    for i, row in enumerate(rows):
+        alone = EV.sequence_logits(model, setting(name), row)  # the oracle computes its own targets
+        torch.testing.assert_close(batched[i, ids.shape[1] - len(row):], alone, atol=2e-5, rtol=1e-4)
+    start = ids.shape[1] - 5
+    tail = EV.forced_logits(model, setting(name), ids, mask=mask, targets=table, start=start)
+    torch.testing.assert_close(tail, batched[:, start:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_greedy_equals_transformers_generate_alone_and_batched(model, name):
+    rows = prompts()
+    targets = targets_of(model, rows) if name == "oracle" else None
+    batched = EV.greedy(model, setting(name), rows, max_new_tokens=7, targets=targets)
+    assert [len(t) for t in batched] == [7, 7, 7]
+    for i, row in enumerate(rows):
+        alone = EV.greedy(model, setting(name), [row], max_new_tokens=7, targets=None if targets is None
+                          else [targets[i]])
+        assert alone[0] == batched[i]
+        with EV.applied(model, setting(name)):
+            if name == "oracle":
+                with kvpop.oracle_priorities(model, EV.oracle_table([targets[i]], len(row) + 7)):
+                    ref = model.generate(torch.tensor([row]), max_new_tokens=7, do_sample=False, pad_token_id=0)
+            else:
+                ref = model.generate(torch.tensor([row]), max_new_tokens=7, do_sample=False, pad_token_id=0)
+        assert ref[0, len(row):].tolist() == batched[i], (name, i)
+    assert model.kvpop_runtime.policy.name == "kvpop"  # restored
+
+
+def test_teacher_forced_items():
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
+    seqs = [torch.randint(1, 97, (24,)) for _ in range(3)]
+    small, large = Budget(2, 4, 6), Budget(2, 4, 10)
+    runs = EV.settings(ALL, [large, small])
+    records = EV.teacher_forced_items(model, seqs, runs, batch_size=2, dynamic_limit=2)
+    keys = {(r["policy"], r["B"]) for r in records}
+    assert keys == {(p, b) for p in ALL for b in (16, 12)}
+    for r in records:
+        assert r["positions"] == 24 - r["B"] and r["labelled"] == 23 - r["B"]
+        expected = [0, 1] if r["policy"] in ("tova", "h2o") else [0, 1, 2]
+        assert r["item"] in expected
+        if r["policy"] == "dense":
+            assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-6 and r["budget"] == "full"
+        else:
+            assert r["kl"] > 0
+    assert sum(r["policy"] == "tova" for r in records) == 4  # two sequences at two budgets
+    streaming = next(r for r in records if r["policy"] == "streaming" and r["B"] == 12)
+    assert streaming["budget"] == "s2-w10-k0"
+    # a budget that covers the whole sequence is dense, for every policy
+    whole = EV.teacher_forced_items(model, seqs, EV.settings(ALL, [Budget(2, 4, 18)]), metric_start=0)
+    for r in whole:
+        assert r["top1_agreement"] == 1.0 and abs(r["kl"]) < 1e-6, r["policy"]
+
+
+@torch.no_grad()
+def after_prompt(model, name, prompt, continuation, table=None):
+    """Reference for a continuation teacher-forced after a prompt, one row, in plain steps: the prompt in one cache
+    call (as generate() takes a short prompt), then one call per token. ``[len(continuation), V]``."""
+    if name == "dense":
+        return EV.sequence_logits(model, EV.Setting("dense"), prompt + continuation)[len(prompt) - 1:-1]
+    with EV.applied(model, setting(name)), (kvpop.oracle_priorities(model, table) if table is not None
+                                            else contextlib.nullcontext()):
+        cache = kvpop.KVpopCache(model)
+        out = [model(torch.tensor([prompt]), use_cache=True, **{CACHE_KWARG: cache}).logits[0, -1]]
+        for token in continuation[:-1]:
+            out.append(model(torch.tensor([[token]]), use_cache=True, **{CACHE_KWARG: cache}).logits[0, -1])
+    return torch.stack(out)
+
+
+def test_generation_items_dense_continuation_and_gold_scoring():
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
+    rows = prompts((12, 17))
+    runs = EV.settings(ALL, [BUDGET])
+    records = EV.generation_items(model, rows, runs, max_new_tokens=8, eos_id=None, batch_size=2)
+    dense = {r["item"]: r for r in records if r["policy"] == "dense"}
+    assert set(dense) == {0, 1} and all(r["B"] is None and r["divergence"] == 8 for r in dense.values())
+    assert all(abs(r["kl"]) < 1e-6 and r["top1_agreement"] == 1.0 for r in dense.values())
+    for r in records:
+        assert 0 <= r["divergence"] <= len(r["tokens"]) == 8
+        assert r["divergence"] == next(i for i in range(9) if i == 8 or r["tokens"][i] != dense[r["item"]]["tokens"][i])
+    # KL on dense's continuation: the same as teacher-forcing it after the prompt one row at a time (the oracle
+    # with the targets of exactly those tokens)
+    for r in records:
+        if r["policy"] == "dense":
+            continue
+        prompt, continuation = rows[r["item"]], dense[r["item"]]["tokens"]
+        table = EV.oracle_table(targets_of(model, [prompt + continuation]), 20) if r["policy"] == "oracle" else None
+        pol = after_prompt(model, r["policy"], prompt, continuation, table)
+        den = after_prompt(model, "dense", prompt, continuation)
+        want = kvpop.metrics.per_sequence(pol, den)[0]
+        assert r["kl"] == pytest.approx(want["kl"], rel=1e-4, abs=1e-6), r["policy"]
+        assert r["top1_agreement"] == pytest.approx(want["top1_agreement"])
+    # gold continuations of unequal length, scored on the policy's logits that predict them
+    gold = [[5, 6, 7], [8]]
+    seen = []
+
+    def score(logits, index):
+        seen.append((index, logits.shape[0]))
+        return {"gold_logprob": float(torch.log_softmax(logits.float(), -1)[torch.arange(len(gold[index])),
+                                                                            torch.tensor(gold[index])].sum())}
+
+    scored = EV.generation_items(model, rows, EV.settings(["dense", "streaming", "tova", "oracle"], [BUDGET]),
+                                 max_new_tokens=3, eos_id=None, forced=gold, score=score)
+    assert sorted(set(seen)) == [(0, 3), (1, 1)]
+    dense_answers = {r["item"]: r["tokens"] for r in scored if r["policy"] == "dense"}
+    for r in scored:
+        prompt, answer = rows[r["item"]], gold[r["item"]]
+        known = prompt + dense_answers[r["item"]]  # the oracle's targets: prompt + dense's continuation
+        table = EV.oracle_table(targets_of(model, [known]), 20) if r["policy"] == "oracle" else None
+        logits = after_prompt(model, r["policy"], prompt, answer, table)
+        want = torch.log_softmax(logits, -1)[torch.arange(len(answer)), torch.tensor(answer)].sum()
+        assert r["gold_logprob"] == pytest.approx(float(want), rel=1e-4)
+
+
+def test_settings_and_errors(model):
+    runs = EV.settings(["kvpop", "dense", "streaming"], [Budget(2, 4, 10), BUDGET])
+    assert [s.key for s in runs] == ["dense", "kvpop.B16", "streaming.B16", "kvpop.B12", "streaming.B12"]
+    assert runs[2].effective == Budget(2, 14, 0) and not runs[2].dynamic
+    assert EV.Setting("tova", BUDGET).dynamic and EV.Setting("h2o", BUDGET).dynamic
+    with pytest.raises(ValueError, match="unknown policy"):
+        EV.Setting("lru", BUDGET)
+    with pytest.raises(ValueError, match="needs a budget"):
+        EV.Setting("kvpop")
+    with pytest.raises(ValueError, match="oracle needs"):
+        EV.forced_logits(model, EV.Setting("oracle", BUDGET), torch.ones(1, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="retrofitted"):
+        with EV.applied(tiny_model("llama", "gqa"), EV.Setting("kvpop", BUDGET)):
+            pass
+    assert EV.cut_at_eos([4, 2, 9, 2], 2) == [4, 2] and EV.cut_at_eos([4, 5], 2) == [4, 5]
+    assert EV.cut_at_eos([4, 5], None) == [4, 5]
+
+
+def test_plain_reference_model_runs_dense():
+    base = tiny_model("llama", "gqa")
+    model = kvpop.retrofit(copy.deepcopy(base), BUDGET, scorer="mlp")
+    rows = prompts((10,))
+    assert EV.greedy(base, EV.Setting("dense"), rows, max_new_tokens=4) == \
+        EV.greedy(model, EV.Setting("dense"), rows, max_new_tokens=4)
+    records = EV.generation_items(model, rows, EV.settings(["dense", "kvpop"], [BUDGET]), max_new_tokens=4,
+                                  eos_id=None, reference=base)
+    assert {r["policy"] for r in records} == {"dense", "kvpop"}
+    assert not any(math.isnan(r["kl"]) for r in records)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("name", ALL)
+def test_cuda_graphed_paths_equal_the_eager_ones(name):
+    """On CUDA, dynamic teacher forcing and every fixed-budget generation step through one captured graph: the
+    same logits (to float tolerance) and tokens as the eager cache path and transformers' generate."""
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp").cuda()
+    rows = prompts()
+    ids, mask, _ = EV.left_pad(rows, pad_id=0, device="cuda")
+    targets = [t.cuda() for t in targets_of(model, rows)] if name == "oracle" else None
+    table = EV.oracle_table(targets, ids.shape[1]) if name == "oracle" else None
+    got = EV.forced_logits(model, setting(name), ids, mask=mask, targets=table, start=3)
+    with EV.applied(model, setting(name)), (kvpop.oracle_priorities(model, table) if table is not None
+                                            else contextlib.nullcontext()):
+        eager = kvpop.teacher_forced_logits(model, ids, prefill=ids.shape[1], attention_mask=mask)[:, 3:]
+    torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-3)
+    batched = EV.greedy(model, setting(name), rows, max_new_tokens=6, targets=targets)
+    for i, row in enumerate(rows):
+        with EV.applied(model, setting(name)), (kvpop.oracle_priorities(
+                model, EV.oracle_table([targets[i]], len(row) + 6)) if name == "oracle" else contextlib.nullcontext()):
+            ref = model.generate(torch.tensor([row], device="cuda"), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert ref[0, len(row):].tolist() == batched[i], (name, i)

@@ -1,0 +1,82 @@
+"""pipelines.records: committed hand-over records, keyed by config values only; finding the trained model reads one
+record (no tokenizer, no weight hashing); the crash points used by the exactly-once tests."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pipelines import records, train
+from pipelines.config import ConfigError, load_config
+
+
+def _cfg(home, *extra):
+    return load_config(None, [f"home={home}", "model.path=/nowhere/teacher", *extra])
+
+
+def test_write_read_and_latest(tmp_path):
+    assert records.read(tmp_path, "train", "k1") is None
+    first = records.write(tmp_path, "train", "k1", {"steps": 1}, config="a")
+    assert records.read(tmp_path, "train", "k1") == first
+    records.write(tmp_path, "train", "k2", {"steps": 2}, config="b")
+    again = records.write(tmp_path, "train", "k1", {"steps": 3}, config="a")  # a re-run replaces the record
+    assert records.read(tmp_path, "train", "k1").payload == {"steps": 3}
+    assert records.latest(tmp_path, "train", "a") == again and records.latest(tmp_path, "train", "c") is None
+    records.path_of(tmp_path, "train", "k3").write_text('{"stage": "tr')  # torn: not committed
+    assert records.read(tmp_path, "train", "k3") is None
+
+
+def test_keys_follow_the_settings_a_stage_output_depends_on(tmp_path):
+    base = _cfg(tmp_path)
+    same = {"precompute.num_actors=3", "train.steps=500", "train.num_workers=2", "eval.budgets=[200]",
+            "precompute.output_root=/else"}
+    for extra in same:
+        other = _cfg(tmp_path, extra)
+        assert records.precompute_key(other) == records.precompute_key(base), extra
+        assert records.train_key(other) == records.train_key(base), extra
+    for extra in ("data.seq_len=1024", "precompute.top_k=8", "model.dtype=bfloat16", "data.seed=1"):
+        assert records.precompute_key(_cfg(tmp_path, extra)) != records.precompute_key(base), extra
+        assert records.train_key(_cfg(tmp_path, extra)) != records.train_key(base), extra
+    for extra in ("train.lr=0.5", "budget.topk=16", "train.run_name=x", "name=other", "train.targets=/t"):
+        other = _cfg(tmp_path, extra)
+        assert records.precompute_key(other) == records.precompute_key(base), extra
+        assert records.train_key(other) != records.train_key(base), extra
+        assert records.evaluate_key(other) != records.evaluate_key(base), extra
+    for extra in ("eval.budgets=[100]", "eval.checkpoint=/m"):
+        assert records.evaluate_key(_cfg(tmp_path, extra)) != records.evaluate_key(base), extra
+        assert records.train_key(_cfg(tmp_path, extra)) == records.train_key(base), extra
+    assert records.key_for(base, "evaluate") == records.evaluate_key(base)
+    with pytest.raises(ValueError, match="no record key for stage 'sweep'"):
+        records.key_for(base, "sweep")
+
+
+def test_the_trained_model_is_found_from_the_record_alone(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    with pytest.raises(ConfigError, match="no trained retrofitted model for config 'default'"):
+        train.model_dir(cfg)
+    model = tmp_path / "runs" / "r" / "final_model"
+    records.commit(cfg, "train", {"run_name": "r", "model_dir": str(model), "mlflow_run_id": "abc", "steps": 90,
+                                  "targets": "/t", "mode": "scorer_only"})
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("finding the trained model must not load a tokenizer nor hash weights")
+    for target in ("transformers.AutoTokenizer.from_pretrained", "transformers.AutoConfig.from_pretrained",
+                   "pipelines.data.load_tokenizer", "pipelines.train.load_tokenizer",
+                   "pipelines.identity.weights_digest", "pipelines.identity.file_digest", "kvpop.files.sha256_file",
+                   "kvpop.files.weights_digest"):
+        monkeypatch.setattr(target, refuse)
+    assert train.model_dir(cfg) == model  # the teacher folder does not even exist
+    assert train.trained_model_record(cfg).payload["mlflow_run_id"] == "abc"
+    assert train.model_dir(load_config(None, [f"home={tmp_path}", "model.path=/nowhere/teacher",
+                                              "train.steps=3"])) == model  # steps do not name another run
+
+
+@pytest.mark.parametrize("armed", [True, False])
+def test_a_crash_point_kills_the_process_only_when_armed(armed):
+    code = "from pipelines import records\nrecords.crash_point('here')\nprint('survived')"
+    env = {records.CRASH_ENV: "here" if armed else "elsewhere"}
+    proc = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, **env},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == (records.CRASH_EXIT_CODE if armed else 0)
+    assert ("survived" in proc.stdout) is not armed
