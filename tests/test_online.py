@@ -23,7 +23,8 @@ def retrofitted(budget=Budget(2, 6, 8), scorer="mlstm", **options):
 
 
 def test_online_targets_equal_the_precomputed_ones():
-    from pipelines.precompute import compute_rows, target_column
+    from pipelines.precompute import compute_rows
+    from pipelines.store import target_column
 
     base, model = retrofitted()
     ids = torch.randint(0, 97, (2, S))
