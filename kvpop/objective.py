@@ -7,6 +7,11 @@
   ones at which eviction has happened; before them the student's mask is the dense one).
 * ``boundary_acc`` is the fraction of the teacher's keep/evict decisions the student reproduces.
 
+The two trained baselines (issue 13) share the KL term and the positions it counts, and need no future-attention
+targets: :class:`DMSObjective` is :func:`kvpop.dms.dms_loss` (the KL plus the one-sided keep-rate penalty of the
+compression schedule) on a relaxed DMS forward; :class:`StreamingObjective` (StreamingLLM+) is the KL alone on a
+forward under the sinks + window mask. :data:`METRICS` names what each ``train.policy``'s objective reports.
+
 :func:`student_forward` runs the retrofitted student once under its own sparse mask and returns its logits and the
 priorities it ranked by (with the gradient to the scorers); :meth:`Objective.for_model` takes the budget and the
 recency term from the model's policy, so teacher and student cannot disagree on them.
@@ -19,11 +24,19 @@ import torch
 from torch import nn
 
 from kvpop.budget import Budget
+from kvpop.dms import CompressionSchedule, dms_loss, retained_stats
 from kvpop.losses import boundary_agreement, boundary_decisions, boundary_loss, topk_kl
 from kvpop.retention import with_recency
 from kvpop.retrofit import collect_priorities, runtime_of
 
 WEIGHTS = (None, "margin")
+
+
+def evicting(logits: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """``[B, S]``: the positions ``d >= B`` at which eviction has happened (before them every policy's mask is the
+    dense one, so the KL there teaches nothing about eviction)."""
+    positions = torch.arange(logits.shape[1], device=logits.device)
+    return (positions >= budget.total).expand(logits.shape[0], -1)
 
 
 def student_forward(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,9 +83,53 @@ class Objective:
         teacher = with_recency(teacher_targets.float(), self.recency)
         decisions = boundary_decisions(teacher, self.budget)
         ret = boundary_loss(student, teacher, self.budget, tau=self.tau, weight=self.weight, decisions=decisions)
-        positions = torch.arange(logits.shape[1], device=logits.device)
-        evicting = (positions >= self.budget.total).expand(logits.shape[0], -1)
-        kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting)
+        kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting(logits, self.budget))
         with torch.no_grad():
             accuracy = boundary_agreement(student.detach(), decisions)
         return {"loss": kl + self.beta * ret, "ret_loss": ret, "kl": kl, "boundary_acc": accuracy}
+
+
+@dataclass(frozen=True)
+class DMSObjective:
+    """DMS's loss (:func:`kvpop.dms.dms_loss`) for a ``Budget(sink, window, 0)``: the top-K KL at ``d >= sink +
+    window`` plus ``keep_weight · max(0, keep_rate - schedule.keep_rate(step))``, on the relaxed per-layer decision
+    logits of the same forward (:func:`student_forward` collects them)."""
+
+    budget: Budget
+    schedule: CompressionSchedule
+    keep_weight: float = 1.0
+
+    def __post_init__(self):
+        if self.budget.topk != 0:
+            raise ValueError(f"DMS has no fixed top-k slots: its budget is Budget(sink, window, 0), got {self.budget}")
+        if not self.keep_weight >= 0:
+            raise ValueError(f"DMSObjective.keep_weight must be >= 0, got {self.keep_weight}")
+
+    def __call__(self, logits: torch.Tensor, decisions: torch.Tensor, topk_values: torch.Tensor,
+                 topk_indices: torch.Tensor, step: int) -> dict[str, torch.Tensor]:
+        """``decisions [L, B, Hkv, S]``; returns ``loss``, ``kl``, ``keep_loss``, ``keep_rate`` (decided tokens kept,
+        hard), ``target_keep_rate`` and ``retained_fraction`` (mean tokens each query sees / the dense mean)."""
+        loss, metrics = dms_loss(logits, topk_values.float(), topk_indices.long(), list(decisions), step,
+                                 self.schedule, mask=evicting(logits, self.budget), keep_weight=self.keep_weight)
+        with torch.no_grad():
+            retained = retained_stats(list(decisions.detach()), self.budget.window)["mean"].mean()
+            dense = (logits.shape[1] + 1) / 2  # query d sees d + 1 tokens under the dense mask
+        return {**metrics, "loss": loss, "retained_fraction": retained / dense}
+
+
+@dataclass(frozen=True)
+class StreamingObjective:
+    """StreamingLLM+: the top-K KL at ``d >= B`` of the base model trained under the sinks + window mask."""
+
+    budget: Budget
+
+    def __call__(self, logits: torch.Tensor, topk_values: torch.Tensor,
+                 topk_indices: torch.Tensor) -> dict[str, torch.Tensor]:
+        kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting(logits, self.budget))
+        return {"loss": kl, "kl": kl}
+
+
+METRICS = {"kvpop": ("loss", "ret_loss", "kl", "boundary_acc"),
+           "dms": ("loss", "kl", "keep_loss", "keep_rate", "target_keep_rate", "retained_fraction"),
+           "streaming": ("loss", "kl")}  # per train.policy: what its objective reports (logged every step)
+TRAIN_POLICIES = tuple(METRICS)

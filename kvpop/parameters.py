@@ -1,5 +1,7 @@
 """Which parameters train (METHOD §3): the scorers always, the base model too when it is distilled.
 
+A model without scorers trains only in ``distill`` mode (StreamingLLM+: the base under the streaming mask).
+
 The scorers are found through the module structure that :func:`kvpop.retrofit` built (each attention module's
 ``kvpop_scorer``), never by matching parameter names, so the selection survives wrappers that rename parameters
 (FSDP2's ``fully_shard`` keeps the modules and swaps their parameters for DTensors: call again after sharding to get
@@ -23,8 +25,9 @@ def trainable_parameters(model: nn.Module, mode: str) -> dict[str, list[nn.Param
     if mode not in TRAIN_MODES:
         raise ValueError(f"mode must be one of {TRAIN_MODES}, got {mode!r}")
     scorer_params = list(scorers(model).parameters())
-    if not scorer_params:
-        raise ValueError("the model has no scorers to train: retrofit it with scorer='mlstm' (or 'mlp', …) first")
+    if not scorer_params and mode == "scorer_only":
+        raise ValueError("the model has no scorers to train: retrofit it with scorer='mlstm' (or 'mlp', …) first, "
+                         "or train its base (mode='distill')")
     owned = {id(p) for p in scorer_params}
     base = [p for p in model.parameters() if id(p) not in owned]
     for p in scorer_params:

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,6 +21,8 @@ from typing import Any, ClassVar
 import yaml
 
 from kvpop.budget import Budget
+from kvpop.dms import CompressionSchedule
+from kvpop.objective import TRAIN_POLICIES
 from kvpop.parameters import TRAIN_MODES
 from kvpop.policies import POLICIES
 from kvpop.scorers import SCORERS
@@ -85,7 +88,9 @@ class PrecomputeConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    scorer: str = "mlstm"
+    policy: str = "kvpop"  # kvpop (scorers, budget.*) | dms (DMS gates, Budget(sink, window, 0)) | streaming
+    #                        (StreamingLLM+: the base trained under the sinks + window mask at budget B; mode=distill)
+    scorer: str = "mlstm"  # policy kvpop only (dms trains its gates, streaming none)
     scorer_options: dict = field(default_factory=dict)
     mode: str = "scorer_only"  # scorer_only (base frozen) | distill (base trains too, at base_lr)
     beta: float = 1.0  # L = KL + beta * L_ret
@@ -109,7 +114,13 @@ class TrainConfig:
     fail_at_step: int = 0  # fault injection for drills/tests: raise once per run at this step (0 = never)
     run_name: str = ""  # default: derived from the config hash, so a restart resumes
     output_root: str = ""  # default: $KVPOP_HOME/runs
+    dms_keep_rate: float = 0.25  # policy dms: the final target keep-rate of decided tokens (1 / compression ratio)
+    dms_schedule_steps: int = 60  # policy dms: steps over which CR anneals linearly from 1 (<= train.steps; 0: none)
+    dms_temperature: float = 0.1  # policy dms: the Gumbel-sigmoid temperature of the relaxed gates
+    dms_keep_weight: float = 1.0  # policy dms: weight of the one-sided keep-rate penalty
 
+    DMS_KEYS: ClassVar[tuple[str, ...]] = ("dms_keep_rate", "dms_schedule_steps", "dms_temperature", "dms_keep_weight")
+    KVPOP_KEYS: ClassVar[tuple[str, ...]] = ("scorer", "scorer_options", "beta", "tau", "recency", "loss_weight")
     # settings that do not change what is optimised: left out of the run-name hash so a restart resumes
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
         "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "checkpoint_every",
@@ -129,7 +140,26 @@ class TrainConfig:
             (self.tau > 0 and self.lr > 0, "train.tau and train.lr must be > 0"),
             (self.recency >= 0, "train.recency must be >= 0"),
             (self.cpus_per_worker > 0, "train.cpus_per_worker must be > 0"),
+            (self.policy in TRAIN_POLICIES, f"train.policy must be one of {', '.join(TRAIN_POLICIES)}"),
+            (self.policy != "streaming" or self.mode == "distill",
+             "train.policy=streaming (StreamingLLM+) trains the base model: set train.mode=distill"),
+            (self.dms_temperature > 0 and self.dms_keep_weight >= 0,
+             "train.dms_temperature must be > 0 and train.dms_keep_weight >= 0"),
         ])
+        if self.policy == "dms":
+            self.dms_schedule()
+
+    def dms_schedule(self) -> CompressionSchedule:
+        """The DMS compression schedule of this run (one :class:`ConfigError` if the keep-rate or length is wrong)."""
+        try:
+            return CompressionSchedule(self.dms_keep_rate, self.dms_schedule_steps, self.steps)
+        except ValueError as err:
+            raise ConfigError(f"train.dms_keep_rate / train.dms_schedule_steps: {err}") from None
+
+    @property
+    def label(self) -> str:
+        """What trains, for run names: the scorer (policy kvpop), ``dms`` or ``streaming+``."""
+        return {"kvpop": self.scorer, "dms": "dms", "streaming": "streaming+"}[self.policy]
 
     @property
     def resolved_strategy(self) -> str:
@@ -146,8 +176,12 @@ class TrainConfig:
         return "bf16" if self.use_gpu else "fp32"
 
     def optimisation(self) -> dict[str, Any]:
-        """The settings that change what is optimised (everything but :attr:`OPERATIONAL`)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in self.OPERATIONAL}
+        """The settings that change what is optimised (everything but :attr:`OPERATIONAL`; the policy and the DMS
+        settings only where they apply — a kvpop run keeps the name it had before they existed — and the scorer and
+        ranking-loss settings only for policy kvpop)."""
+        skip = set(self.OPERATIONAL) | (set() if self.policy == "dms" else set(self.DMS_KEYS))
+        skip |= {"policy"} if self.policy == "kvpop" else set(self.KVPOP_KEYS)
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 
 @dataclass(frozen=True)
@@ -227,6 +261,9 @@ class EvalConfig:
     batch_size: int = 4  # held-out sequences per teacher-forced forward
     generation_batch_size: int = 12  # prompts per left-padded generation batch
     dynamic_sequences: int = 0  # TOVA/H2O teacher-forced on the first N held-out sequences only; 0 = all
+    baselines: dict = field(default_factory=dict)  # trained baselines as extra rows: {row name: a saved retrofitted
+    #     model folder, e.g. the final_model of a train.policy=streaming or dms run}, each under its own policy on the
+    #     same items; DMS (ragged) at the budget of its mean retained tokens
 
     def __post_init__(self):
         _validate_eval(self)
@@ -321,6 +358,13 @@ def _validate_eval(ev: "EvalConfig") -> None:
         (ev.generation_prompts >= 0, "eval.generation_prompts must be >= 0 (0 = no long generation)"),
         (ev.resamples >= 100, "eval.resamples must be >= 100 (bootstrap resamples)"),
     ]
+    for name, folder in ev.baselines.items():
+        checks += [
+            (re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)) is not None, f"eval.baselines: row name {name!r} may hold "
+                                                                        f"only letters, digits, _ . - (MLflow keys)"),
+            (name not in ev.policies and name != "dense", f"eval.baselines: {name!r} is also in eval.policies: name "
+                                                          f"the baseline's row differently (e.g. {name}_trained)"),
+            (isinstance(folder, str) and bool(folder), f"eval.baselines.{name} must be a model folder (a string)")]
     _require(checks)
 
 

@@ -30,7 +30,8 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpop.objective import Objective
+from kvpop.budget import Budget
+from kvpop.objective import DMSObjective, Objective, StreamingObjective
 from pipelines import records, store, tracking
 from pipelines.cluster import ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, env_home, fingerprint
@@ -50,7 +51,7 @@ def run_name_of(cfg: PipelineConfig, targets: store.Targets) -> str:
     if cfg.train.run_name:
         return cfg.train.run_name
     digest = fingerprint("kvpop.train", targets.key, cfg.budget, cfg.train.optimisation(), cfg.data.seed, length=10)
-    return f"{cfg.name}-{cfg.train.scorer}-{cfg.train.mode}-{cfg.budget}-{digest}"
+    return f"{cfg.name}-{cfg.train.label}-{cfg.train.mode}-{cfg.budget}-{digest}"
 
 
 def targets_path(cfg: PipelineConfig) -> Path:
@@ -82,8 +83,9 @@ def model_dir(cfg: PipelineConfig) -> Path:
 
 # ------------------------------------------------------------------------------------------------ validation
 def check_trainable(cfg: PipelineConfig, rows: int | None = None) -> None:
-    """The budget has a decision to learn, and the targets (``rows`` sequences, if known) fill a batch per worker."""
-    if cfg.budget.topk < 1:
+    """A KVpop budget has a decision to learn (DMS and StreamingLLM+ need no top-k slots), and the targets (``rows``
+    sequences, if known) fill a batch per worker."""
+    if cfg.train.policy == "kvpop" and cfg.budget.topk < 1:
         raise ConfigError("budget.topk is 0: every eligible token is evicted, there is no decision to learn")
     if rows is not None and rows // cfg.train.num_workers // cfg.train.batch_size < 1:
         raise ConfigError(f"train.batch_size={cfg.train.batch_size} × train.num_workers={cfg.train.num_workers} needs "
@@ -92,26 +94,43 @@ def check_trainable(cfg: PipelineConfig, rows: int | None = None) -> None:
 
 
 def open_inputs(cfg: PipelineConfig, windows: tuple[int, ...] | None = None) -> store.Targets:
-    """The verified targets for this config, or one clear error (nothing is written before this passes)."""
+    """The verified targets for this config, or one clear error (nothing is written before this passes).
+
+    Every policy reads the teacher's top-K logits (the store refuses targets without them); only ``kvpop`` reads a
+    future-attention target column (``budget.window``'s, or ``windows``').
+    """
     check_trainable(cfg)
     path = targets_path(cfg)
-    targets = store.open_targets(path, expect=store.training_identity(cfg, load_tokenizer(cfg)),
-                                 windows=windows or (cfg.budget.window,))
+    if cfg.train.policy == "kvpop":
+        windows = windows or (cfg.budget.window,)
+    targets = store.open_targets(path, expect=store.training_identity(cfg, load_tokenizer(cfg)), windows=windows or ())
     check_trainable(cfg, targets.num_rows)
     return targets
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
+def objective_of(cfg: PipelineConfig) -> Objective | DMSObjective | StreamingObjective:
+    """The loss of ``train.policy`` at this config's budget: KVpop's (METHOD §3); DMS's on ``Budget(sink, window,
+    0)`` (its window is the delayed-eviction window); StreamingLLM+'s KL at the streaming budget of the same total B
+    (the window takes the top-k slots, as :func:`kvpop.policies.build_policy` converts it)."""
+    t, budget = cfg.train, cfg.budget
+    if t.policy == "dms":
+        return DMSObjective(Budget(budget.sink, budget.window, 0), t.dms_schedule(), keep_weight=t.dms_keep_weight)
+    if t.policy == "streaming":
+        return StreamingObjective(Budget(budget.sink, budget.window + budget.topk, 0))
+    return Objective(budget, t.recency, beta=t.beta, tau=t.tau, weight=None if t.loss_weight == "none" else t.loss_weight)
+
+
 def make_spec(cfg: PipelineConfig, targets: store.Targets, name: str, storage: Path, mlflow_run_id: str, *,
               report_every_step: bool = False, save_final: bool = True) -> TrainSpec:
     """The workers' spec of one training run (the train stage's, or one sweep trial's)."""
     t = cfg.train
-    objective = Objective(cfg.budget, t.recency, beta=t.beta, tau=t.tau,
-                          weight=None if t.loss_weight == "none" else t.loss_weight)
     return TrainSpec(
         run_name=name, run_dir=str(storage / name), base_path=str(cfg.model.resolved_path()),
-        base_sha256=targets.identity["teacher"]["weights_sha256"], objective=objective, scorer=t.scorer,
-        scorer_options=dict(t.scorer_options), mode=t.mode, target_column=store.target_column(cfg.budget.window),
+        base_sha256=targets.identity["teacher"]["weights_sha256"], objective=objective_of(cfg),
+        policy=t.policy, scorer=t.scorer, scorer_options=dict(t.scorer_options) if t.policy == "kvpop" else {},
+        mode=t.mode, target_column=store.target_column(cfg.budget.window) if t.policy == "kvpop" else "",
+        dms_temperature=t.dms_temperature,
         lr=t.lr, base_lr=t.base_lr, grad_clip=t.grad_clip, steps=t.steps, batch_size=t.batch_size,
         seq_len=cfg.data.seq_len, seed=cfg.data.seed, use_gpu=t.use_gpu, sharded=t.resolved_strategy == "fsdp",
         bf16=t.resolved_precision == "bf16", threads=max(1, int(t.cpus_per_worker)),
@@ -128,7 +147,7 @@ def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *
     from ray.train.torch import TorchConfig, TorchTrainer
 
     t = cfg.train
-    columns = ["input_ids", spec.target_column, "topk_values", "topk_indices"]
+    columns = ["input_ids", *([spec.target_column] if spec.target_column else []), "topk_values", "topk_indices"]
     rows_needed = t.steps * t.batch_size * t.num_workers
     copies = -(-rows_needed // targets.num_rows) + 1  # epochs, in one pass (see train_worker._batches)
     dataset = ray.data.read_parquet([str(f) for f in targets.files] * copies).select_columns(columns)
@@ -243,6 +262,7 @@ def run(cfg: PipelineConfig) -> TrainResult:
     records.crash_point("train.fitted")
     _complete_tracking(cfg, run_id, final)
     records.commit(cfg, "train", {"run_name": name, "model_dir": str(final), "mlflow_run_id": run_id, "steps": steps,
-                                  "targets": str(targets.path), "mode": cfg.train.mode})
+                                  "targets": str(targets.path), "mode": cfg.train.mode,
+                                  "policy": cfg.train.policy})
     return TrainResult(name, run_id, final, run_dir, steps, int(metrics.get("resumed_from", steps)), metrics,
                        targets.path)

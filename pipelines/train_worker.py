@@ -1,11 +1,20 @@
 """What each Ray Train (V2) worker of the train stage runs: :func:`train_loop`, driven by a :class:`TrainSpec`.
 
 The driver (:mod:`pipelines.train`) decides everything and hands each worker one frozen :class:`TrainSpec`. A worker
-builds the student (the base model in fp32, :func:`kvpop.retrofit` with ``policy="kvpop"``, the base frozen in
-``scorer_only`` mode: :func:`kvpop.parameters.trainable_parameters`), shards it with the FSDP2 plan
-(:func:`kvpop.sharding.shard`) when the spec says so, and runs ``spec.steps`` steps of
-:class:`kvpop.objective.Objective` on the batches of its dataset shard. In ``scorer_only`` mode the KL carries no
-gradient (it is still reported). Metrics are all-reduced over workers; rank 0 logs them to the run's MLflow run and
+builds the student (:func:`build_student`: the base model in fp32 retrofitted with the spec's policy, the base frozen
+in ``scorer_only`` mode: :func:`kvpop.parameters.trainable_parameters`), shards it with the FSDP2 plan
+(:func:`kvpop.sharding.shard`) when the spec says so, and runs ``spec.steps`` steps of the spec's objective on the
+batches of its dataset shard (:func:`batch_losses`). The policies (``train.policy``):
+
+* ``kvpop``: a scorer per layer, :class:`kvpop.objective.Objective`; in ``scorer_only`` mode the KL carries no
+  gradient (it is still reported).
+* ``dms``: DMS gates (``scorer="dms"``) under the relaxed DMS policy (Gumbel-sigmoid at ``dms_temperature``),
+  :class:`kvpop.objective.DMSObjective` at the scheduled keep-rate of the step. In ``scorer_only`` mode only the
+  gates train (adapter-only, as NVIDIA Model-Optimizer's public DMS trainer does); ``distill`` trains the base too.
+  The final model is saved with the hard policy (the form prefill and the cache run).
+* ``streaming`` (StreamingLLM+): no scorers, the base trains (``distill``) under the sinks + window mask,
+  :class:`kvpop.objective.StreamingObjective`.
+ Metrics are all-reduced over workers; rank 0 logs them to the run's MLflow run and
 prints one line per logged step.
 
 **Checkpoints** every ``checkpoint_every`` steps and at the last one (:mod:`kvpop.checkpointing`: each worker
@@ -33,13 +42,13 @@ import torch.distributed as dist
 import kvpop
 from kvpop import checkpointing
 from kvpop.budget import Budget
-from kvpop.objective import Objective, student_forward
+from kvpop.objective import METRICS as OBJECTIVE_METRICS
+from kvpop.objective import DMSObjective, Objective, StreamingObjective, student_forward
 from kvpop.parameters import trainable_parameters
 from kvpop.pretrained import load_pretrained
 from kvpop.sharding import shard
 
 TRAIN_MARKER = "kvpop_train.json"
-METRICS = ("loss", "ret_loss", "kl", "boundary_acc", "tokens_per_s", "step_s", "data_wait_s")
 
 
 @dataclass(frozen=True)
@@ -50,11 +59,12 @@ class TrainSpec:
     run_dir: str  # <storage>/<run name>: Ray Train's run folder, where final_model goes
     base_path: str  # the teacher's folder: the student's base weights
     base_sha256: str  # its weights digest (recorded by a scorer-only final model)
-    objective: Objective
+    objective: Objective | DMSObjective | StreamingObjective
+    policy: str  # kvpop | dms | streaming (train.policy)
     scorer: str
     scorer_options: dict
     mode: str  # scorer_only | distill
-    target_column: str  # the shard column holding the teacher targets for objective.budget.window
+    target_column: str  # the shard column of the teacher targets for objective.budget.window ("" unless kvpop)
     lr: float
     base_lr: float
     grad_clip: float
@@ -71,6 +81,7 @@ class TrainSpec:
     fail_at_step: int
     tracking_uri: str
     mlflow_run_id: str
+    dms_temperature: float = 0.1
     report_every_step: bool = False  # a Tune trial: every step's metrics reach the scheduler
     save_final: bool = True
 
@@ -84,20 +95,32 @@ def build_student(spec: TrainSpec, device="cpu"):
     """
     model, tokenizer = load_pretrained(spec.base_path, dtype=torch.float32, device="cpu")
     torch.manual_seed(spec.seed)  # identical scorer init on every worker
-    kvpop.retrofit(model, spec.budget, scorer=spec.scorer, policy="kvpop", recency=spec.objective.recency,
-                   scorer_options=dict(spec.scorer_options))
+    if spec.policy == "dms":  # the gates' defaults are the published ones (scale 100, offset 5: keep all at step 0)
+        kvpop.retrofit(model, spec.budget, scorer="dms", policy="dms")
+        kvpop.set_policy(model, "dms", spec.budget, relaxed=True, temperature=spec.dms_temperature)
+    elif spec.policy == "streaming":
+        kvpop.retrofit(model, spec.budget, scorer=None, policy="streaming")
+    else:
+        kvpop.retrofit(model, spec.budget, scorer=spec.scorer, policy="kvpop", recency=spec.objective.recency,
+                       scorer_options=dict(spec.scorer_options))
     trainable_parameters(model, spec.mode)
     model.to(device)
     model.train()
     return model, tokenizer
 
 
-def batch_losses(model, batch: dict, spec: TrainSpec) -> dict[str, torch.Tensor]:
-    """The objective on a batch of shard rows: ``input_ids [B, S]``, the target column ``[B, L, Hkv, S]``,
-    ``topk_values``/``topk_indices [B, S, K]``."""
-    logits, student = student_forward(model, batch["input_ids"].long())
+def batch_losses(model, batch: dict, spec: TrainSpec, step: int = 0) -> dict[str, torch.Tensor]:
+    """The spec's objective at ``step`` on a batch of shard rows: ``input_ids [B, S]``,
+    ``topk_values``/``topk_indices [B, S, K]`` and (policy kvpop) the target column ``[B, L, Hkv, S]``; the metrics
+    of :data:`kvpop.objective.METRICS` for the policy (``loss`` carries the gradient)."""
+    ids, top_values, top_indices = batch["input_ids"].long(), batch["topk_values"], batch["topk_indices"]
+    if spec.policy == "streaming":
+        return spec.objective(model(input_ids=ids, use_cache=False).logits, top_values, top_indices)
+    logits, collected = student_forward(model, ids)  # kvpop: ranked priorities; dms: relaxed decision logits
+    if spec.policy == "dms":
+        return spec.objective(logits, collected, top_values, top_indices, step)
     teacher = batch[spec.target_column].permute(1, 0, 2, 3)  # -> [L, B, Hkv, S], the layout of the priorities
-    return spec.objective(student, teacher, logits, batch["topk_values"], batch["topk_indices"])
+    return spec.objective(collected, teacher, logits, top_values, top_indices)
 
 
 def write_final_model(model, out: Path, tokenizer, spec: TrainSpec, steps: int) -> None:
@@ -105,10 +128,13 @@ def write_final_model(model, out: Path, tokenizer, spec: TrainSpec, steps: int) 
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     distilled = spec.mode == "distill"  # the base weights changed: they must be stored
+    if spec.policy == "dms":
+        kvpop.set_policy(model, "dms", spec.budget)  # the hard gates: what prefill and the DMS cache run
     with torch.no_grad():
         kvpop.save_retrofitted(model, tmp, tokenizer, base=None if distilled else spec.base_path,
                                base_sha256=None if distilled else spec.base_sha256)
-    (tmp / TRAIN_MARKER).write_text(json.dumps({"steps": steps, "run_name": spec.run_name, "mode": spec.mode}))
+    (tmp / TRAIN_MARKER).write_text(json.dumps({"steps": steps, "run_name": spec.run_name, "mode": spec.mode,
+                                                "policy": spec.policy}))
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
 
@@ -161,7 +187,8 @@ def _log_metrics(client, run_id: str, metrics: dict, step: int) -> None:
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, float(metrics[k]), now, step) for k in METRICS])
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()
+                                      if k not in ("step", "resumed_from")])
 
 
 def _report_checkpoint(model, optimizer, spec: TrainSpec, step: int, metrics: dict) -> None:
@@ -206,7 +233,7 @@ def train_loop(config: dict) -> None:
     if spec.sharded:
         shard(model, bf16=spec.bf16)
     params = trainable_parameters(model, spec.mode)  # after sharding: the DTensors the optimizer must step
-    groups = [{"params": params["scorers"], "lr": spec.lr}]
+    groups = [{"params": params["scorers"], "lr": spec.lr}] if params["scorers"] else []
     if params["base"]:
         groups.append({"params": params["base"], "lr": spec.base_lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
@@ -222,6 +249,7 @@ def train_loop(config: dict) -> None:
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if spec.bf16 and not spec.sharded
                 and device.type == "cuda" else contextlib.nullcontext())
     tokens_per_step = spec.batch_size * spec.seq_len * world
+    names = OBJECTIVE_METRICS[spec.policy]
     marker = Path(spec.run_dir) / f".fault-injected-at-{spec.fail_at_step}"
     for step in range(start_step + 1, spec.steps + 1):
         if spec.fail_at_step == step and rank == 0 and not marker.exists():
@@ -232,7 +260,7 @@ def train_loop(config: dict) -> None:
         batch = next(batches)
         t0 = time.perf_counter()
         with autocast:
-            parts = batch_losses(model, batch, spec)
+            parts = batch_losses(model, batch, spec, step)
         optimizer.zero_grad(set_to_none=True)
         if parts["loss"].requires_grad:
             parts["loss"].backward()
@@ -242,19 +270,16 @@ def train_loop(config: dict) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-        values = torch.stack([parts[k].detach().float() for k in ("loss", "ret_loss", "kl", "boundary_acc")])
+        values = torch.stack([torch.as_tensor(parts[k]).detach().float().to(device) for k in names])
         if dist.is_available() and dist.is_initialized() and world > 1:
-            values = values.to(device)
             dist.all_reduce(values)
             values /= world
-        loss, ret, kl, acc = values.tolist()
-        metrics = {"step": step, "loss": loss, "ret_loss": ret, "kl": kl, "boundary_acc": acc,
-                   "tokens_per_s": tokens_per_step / seconds, "step_s": seconds, "data_wait_s": t0 - t_wait,
-                   "resumed_from": start_step}
+        metrics = {"step": step, **dict(zip(names, values.tolist())), "tokens_per_s": tokens_per_step / seconds,
+                   "step_s": seconds, "data_wait_s": t0 - t_wait, "resumed_from": start_step}
         if rank == 0 and (step % spec.log_every == 0 or step == spec.steps):
             _log_metrics(client, spec.mlflow_run_id, metrics, step)
-            print(f"[kvpop.train] step {step}/{spec.steps} loss {loss:.4f} ret {ret:.4f} kl {kl:.4f} "
-                  f"acc {acc:.3f} {metrics['tokens_per_s']:.0f} tok/s", flush=True)
+            shown = " ".join(f"{k} {metrics[k]:.4f}" for k in names)
+            print(f"[kvpop.train] step {step}/{spec.steps} {shown} {metrics['tokens_per_s']:.0f} tok/s", flush=True)
         if step % spec.checkpoint_every == 0 or step == spec.steps:
             _report_checkpoint(model, optimizer, spec, step, metrics)
         elif spec.report_every_step:

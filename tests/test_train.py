@@ -58,7 +58,7 @@ def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targe
     assert result.resumed_from == 2 and result.metrics["step"] == 6
     assert records.for_config(cfg, "train").payload == {
         "run_name": name, "model_dir": str(result.model_dir), "mlflow_run_id": run_id, "steps": 6,
-        "targets": str(targets.path), "mode": "scorer_only"}
+        "targets": str(targets.path), "mode": "scorer_only", "policy": "kvpop"}
 
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
@@ -235,7 +235,7 @@ def _spec(tmp_path, mode: str) -> TrainSpec:
 
     return TrainSpec(run_name="r", run_dir=str(tmp_path / "r"), base_path=str(tmp_path / "base"),
                      base_sha256=kvpop.files.weights_digest(tmp_path / "base"),
-                     objective=Objective(kvpop.Budget(2, 4, 6)), scorer="mlp", scorer_options={}, mode=mode,
+                     objective=Objective(kvpop.Budget(2, 4, 6)), policy="kvpop", scorer="mlp", scorer_options={}, mode=mode,
                      target_column="targets_w4", lr=0.01, base_lr=1e-5, grad_clip=1.0, steps=3, batch_size=1,
                      seq_len=32, seed=0, use_gpu=False, sharded=False, bf16=False, threads=1, checkpoint_every=1,
                      log_every=1, fail_at_step=0, tracking_uri="", mlflow_run_id="")
