@@ -172,18 +172,38 @@ def retained_counts(query_pos: torch.Tensor, token_pos: torch.Tensor, evict_pos:
     return torch.searchsorted(starts, queries, right=True) - torch.searchsorted(ends, queries, right=True)
 
 
-def retained_stats(decisions: Sequence[torch.Tensor], window: int) -> dict[str, torch.Tensor]:
-    """Mean and max retained tokens per (layer, KV head) over the queries of unpadded sequences, from each layer's
-    hard decision logits ``[B, Hkv, S]`` (``kvpop.collect_priorities`` of a hard DMS forward): what the DMS cache
-    holds query by query. ``{"mean": [L, Hkv] float, "max": [L, Hkv] long}``."""
-    means, maxes = [], []
+def retained_per_query(decisions: Sequence[torch.Tensor], window: int) -> torch.Tensor:
+    """``[L, B, Hkv, S]``: the tokens each query of unpadded sequences sees, from each layer's hard decision logits
+    ``[B, Hkv, S]`` (``kvpop.collect_priorities`` of a hard DMS forward): what the DMS cache holds query by query."""
+    counts = []
     for z in decisions:
         positions = torch.arange(z.shape[-1], device=z.device)
-        counts = retained_counts(positions, positions.expand(z.shape), eviction_positions(z, positions, window),
-                                 torch.ones_like(z, dtype=torch.bool))  # [B, Hkv, S]
-        means.append(counts.float().mean(dim=(0, 2)))
-        maxes.append(counts.amax(dim=(0, 2)))
-    return {"mean": torch.stack(means), "max": torch.stack(maxes)}
+        counts.append(retained_counts(positions, positions.expand(z.shape), eviction_positions(z, positions, window),
+                                      torch.ones_like(z, dtype=torch.bool)))
+    return torch.stack(counts)
+
+
+def retained_stats(decisions: Sequence[torch.Tensor], window: int, start: int = 0) -> dict[str, torch.Tensor]:
+    """Mean and max retained tokens per (layer, KV head) over the queries ``d >= start`` of unpadded sequences
+    (:func:`retained_per_query`). ``{"mean": [L, Hkv] float, "max": [L, Hkv] long}``."""
+    counts = retained_per_query(decisions, window)[..., start:]
+    return {"mean": counts.float().mean(dim=(1, 3)), "max": counts.amax(dim=(1, 3))}
+
+
+def matched_total(counts: torch.Tensor, floor: int) -> int:
+    """The fixed budget ``B`` that matches DMS's *mean* memory: the mean over the queries ``d >= B`` (the positions
+    a fixed-budget evaluation counts at B, where its cache holds exactly B tokens) of the tokens DMS retains there
+    equals ``B`` (rounded). ``counts [..., S]`` from :func:`retained_per_query`; ``floor`` = sink + window (DMS
+    holds at least that much once it evicts). Found by fixed-point iteration from ``floor``: DMS's occupancy grows
+    with ``d`` by at most one token per step, so the iteration only moves up and stops."""
+    size = counts.shape[-1]
+    total = min(floor, size - 1)
+    for _ in range(size):
+        following = min(size - 1, max(floor, int(round(float(counts[..., total:].float().mean())))))
+        if following == total:
+            break
+        total = following
+    return total
 
 
 # -----------------------------------------------------------------------------

@@ -28,6 +28,10 @@ Item-level results, the per-item values evaluation bootstraps:
 
 * :func:`teacher_forced_items`: per (setting, held-out sequence), :func:`kvpop.metrics.per_sequence` against the
   dense reference over positions ``>= B`` (before them every policy still sees the whole prefix);
+* :func:`dms_occupancy`: a DMS model's ragged memory on the held-out sequences — the fixed budget ``B`` it matches
+  in *mean* retained tokens (:func:`kvpop.dms.matched_total`), and per (layer, KV head) its mean and max retained
+  tokens over the queries ``d >= B`` plus the peak: DMS is compared with fixed-budget policies at that ``B``
+  (``metric_start=B``), its peak stated;
 * :func:`generation_items`: per (setting, prompt), the greedy continuation, the tokens until its first divergence
   from dense's, and — with a continuation to teacher-force (dense's own, or a gold answer) — KL(dense ‖ policy) and
   top-1 agreement on it, plus any ``score`` of the policy's logits that predict the continuation's tokens.
@@ -43,9 +47,10 @@ import torch
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.decode import GraphedDecoder, chunk_bounds, prefill, teacher_forced_logits
+from kvpop.dms import matched_total, retained_per_query
 from kvpop.metrics import first_divergence, per_sequence
 from kvpop.policies import POLICIES, build_policy
-from kvpop.retrofit import oracle_priorities, set_policy
+from kvpop.retrofit import collect_priorities, oracle_priorities, runtime_of, set_policy
 from kvpop.targets import teacher_pass
 
 
@@ -352,6 +357,27 @@ def teacher_forced_items(model, sequences: Sequence[torch.Tensor], runs: Sequenc
             if progress is not None:
                 progress(len(rows))
     return records
+
+
+@torch.no_grad()
+def dms_occupancy(model, sequences: Sequence[torch.Tensor], *, batch_size: int = 4) -> dict:
+    """A DMS model (hard gates) on equal-length ``sequences``: ``{"B", "mean", "peak", "mean_per_head" [L][Hkv],
+    "max_per_head" [L][Hkv]}`` — ``B`` the fixed budget of the same mean memory, the statistics over the queries
+    ``d >= B``, the positions the metrics count at B."""
+    policy = runtime_of(model).policy
+    if policy.name != "dms" or getattr(policy, "relaxed", False):
+        raise ValueError(f"dms_occupancy needs a model under the hard dms policy, not {policy.name!r}")
+    device, counts = _device(model), []
+    for rows in _batches(len(sequences), batch_size):
+        ids = torch.stack([torch.as_tensor(sequences[i], dtype=torch.long) for i in rows]).to(device)
+        with collect_priorities(model) as collected:
+            model(input_ids=ids, use_cache=False)
+        counts.append(retained_per_query([collected[i] for i in range(len(collected))], policy.budget.window))
+    counts = torch.cat(counts, dim=1)  # [L, N, Hkv, S]
+    total = matched_total(counts, policy.budget.sink + policy.budget.window)
+    tail = counts[..., total:]
+    return {"B": total, "mean": float(tail.float().mean()), "peak": int(tail.max()),
+            "mean_per_head": tail.float().mean(dim=(1, 3)).tolist(), "max_per_head": tail.amax(dim=(1, 3)).tolist()}
 
 
 def _records(setting, total, budget, rows, logits, dense, ids, start) -> list[dict]:

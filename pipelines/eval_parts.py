@@ -25,9 +25,10 @@ from transformers import AutoTokenizer
 import kvpop
 from kvpop import evaluation as runner
 from kvpop.pretrained import load_pretrained
+from kvpop.retrofit import runtime_of
 from pipelines import recall
 from pipelines import problems as long_prompts
-from pipelines.config import PipelineConfig
+from pipelines.config import ConfigError, PipelineConfig
 from pipelines.data import load_sequences
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,17 +89,24 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
         lines.append(f"generation: {len(p['problems'])} champ problems ({sum(q.seen_in_training for q in p['problems'])}"
                      f" seen in training), greedy {cfg.eval.generation_tokens} tokens; diverge_at = tokens until the "
                      f"first divergence from dense; answer = last \\boxed{{}} or last number")
+    for name in cfg.eval.baselines:
+        o = p.get("occupancy", {}).get(name)
+        lines.append(f"{name}: trained baseline {cfg.eval.baselines[name]}" + ("" if o is None else (
+            f"; ragged: mean {o['mean']:.1f} retained tokens per (layer, head) over the queries d >= {o['B']}, so "
+            f"its row is at B = {o['B']}; peak {o['peak']} (per-head max up to "
+            f"{max(max(r) for r in o['max_per_head'])})")))
     if "oracle" in cfg.eval.policies and (p["samples"] or p["problems"]):
         lines.append("oracle in generation: the teacher targets of the prompt + dense's continuation, by position")
     return "\n".join(lines)
 
 
-def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
-                   progress: bool = True) -> tuple[list[dict], dict]:
+def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, progress: bool = True,
+                   runs: list | None = None, metric_start: int | None = None) -> tuple[list[dict], dict]:
     """All per-item records of the three parts and the seconds each part took. ``inputs``: ``tokenizer``,
-    ``sequences``, ``budgets``, ``samples``, ``problems``, ``prompts`` (pipelines.evaluate.plan)."""
+    ``sequences``, ``budgets``, ``samples``, ``problems``, ``prompts`` (pipelines.evaluate.plan). ``runs``: the
+    settings (default every ``eval.policies`` × budget); ``metric_start``: count the text metrics from there."""
     tok, ev = inputs["tokenizer"], cfg.eval
-    runs = runner.settings(ev.policies, inputs["budgets"])
+    runs = runner.settings(ev.policies, inputs["budgets"]) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     generation = dict(eos_id=tok.eos_token_id, pad_id=pad, batch_size=ev.generation_batch_size, reference=reference)
@@ -115,7 +123,7 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
     ids = [torch.tensor(s["input_ids"]) for s in sequences]
     found = timed("text", len(ids) * len(runs), lambda tick: runner.teacher_forced_items(
         model, ids, runs, reference=reference, batch_size=ev.batch_size, dynamic_limit=ev.dynamic_sequences,
-        progress=tick))
+        metric_start=metric_start, progress=tick))
     records += [{"part": "text", **r, "item": sequences[r["item"]]["id"]} for r in found]
     samples = inputs["samples"]
     if samples:
@@ -131,6 +139,47 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *,
             **generation))
         records += generation_records(found, inputs["problems"], tok)
     return records, seconds
+
+
+def load_baselines(cfg: PipelineConfig, device) -> dict:
+    """``eval.baselines``: ``{row name: model}``, each a saved retrofitted model under the policy it was saved with
+    (StreamingLLM+: ``streaming``, DMS: the hard ``dms``, a separately trained KVpop: ``kvpop``)."""
+    out = {}
+    for name, folder in cfg.eval.baselines.items():
+        model, _ = kvpop.load_retrofitted(baseline_path(name, folder), dtype=DTYPES[cfg.model.dtype])
+        out[name] = model.to(device).eval()
+    return out
+
+
+def baseline_path(name: str, folder: str) -> Path:
+    path = Path(folder).expanduser().resolve()
+    if not (path / "kvpop.json").is_file():
+        raise ConfigError(f"eval.baselines.{name}: {path} is not a folder written by kvpop.save_retrofitted (the train "
+                          f"stage's final_model of a train.policy=streaming / dms run)")
+    return path
+
+
+def baseline_items(cfg: PipelineConfig, inputs: dict, name: str, model, reference, occupancy: dict | None = None, *,
+                   progress: bool = True) -> tuple[list[dict], dict]:
+    """A trained baseline's records on the same items as the main model, as rows named ``name``: under its own
+    policy at every budget, or — DMS, ragged — once at the budget of its mean memory (``occupancy`` from
+    :func:`kvpop.evaluation.dms_occupancy`, whose ``B`` also sets where the text metrics start). Dense is the main
+    model's reference (the original teacher), whose own records the main evaluation already holds."""
+    policy = runtime_of(model).policy
+    if policy.ragged:
+        runs, start = [runner.Setting(policy.name, policy.budget)], occupancy["B"]
+    else:
+        runs, start = [runner.Setting(policy.name, b) for b in inputs["budgets"]], None
+    found, seconds = evaluate_items(cfg, inputs, model, reference, progress=progress, runs=runs, metric_start=start)
+    records = []
+    for r in found:
+        if r["policy"] == "dense":
+            continue
+        r = {**r, "policy": name}
+        if policy.ragged:
+            r.update(B=occupancy["B"], budget=f"{policy.budget} mean {occupancy['mean']:.1f} peak {occupancy['peak']}")
+        records.append(r)
+    return records, {f"{name}.{part}": s for part, s in seconds.items()}
 
 
 def recall_records(found: list[dict], samples: list, tokenizer, min_dense: float) -> list[dict]:

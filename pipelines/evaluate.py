@@ -17,6 +17,13 @@ run left unfinished by a crash is resumed, not duplicated). The stage's hand-ove
 ``evaluate``: the directory and the MLflow run id) is written last. Budgets: ``eval.budgets`` totals and
 ``eval.compression_ratios`` (CR = 1 - B / S) with the training budget's sink and window, topk swept; a CR whose B is
 below sink + window is reported as unreachable. Free generation: the oracle gets the prompt's own targets only.
+
+**Trained baselines** (``eval.baselines``: row name → saved model folder, hashed into ``<key>``): each runs on the
+same items under its own policy (:func:`pipelines.eval_parts.baseline_items`) against the same dense reference, as
+rows of its own in the tables, paired differences and figures. DMS keeps a ragged number of tokens per head: its row
+sits at the budget ``B`` of its mean retained tokens on the held-out sequences (:func:`kvpop.evaluation.dms_occupancy`,
+added to the budgets, so that every policy has a paired row there); ``metrics.json`` ``summary.occupancy`` holds its
+per (layer, head) mean and max and its peak.
 """
 from __future__ import annotations
 
@@ -28,6 +35,8 @@ from pathlib import Path
 import torch
 
 from kvpop import Budget
+from kvpop import evaluation as runner
+from kvpop.retrofit import runtime_of
 from kvpop.files import atomic_write_text
 from pipelines import eval_parts, records, report, tracking
 from pipelines import problems as long_prompts
@@ -116,6 +125,11 @@ def plan(cfg: PipelineConfig) -> dict:
                 "generation": {"problems": [p.id for p in problems], "sha256": _digest(prompts),
                                "tokens": cfg.eval.generation_tokens},
                 "dynamic_sequences": cfg.eval.dynamic_sequences, "resamples": cfg.eval.resamples}
+    if cfg.eval.baselines:  # only when set: the keys of evaluations without baselines stay as they were
+        identity["baselines"] = {}
+        for name, folder in cfg.eval.baselines.items():
+            where = eval_parts.baseline_path(name, folder)
+            identity["baselines"][name] = {"path": str(where), "files_sha256": folder_digest(where, cfg.home_dir())}
     key = fingerprint("kvpop.eval", FORMAT_VERSION, identity, length=16)
     return {"key": key, "identity": identity, "path": path, "tokenizer": tokenizer, "sequences": sequences,
             "budgets": budgets, "samples": samples, "problems": problems, "prompts": prompts, "seq_len": seq_len}
@@ -139,9 +153,24 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
         return EvalResult(out, summary, text, run_id, done["seconds"], True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # one process, one device
     model, reference = eval_parts.load_models(cfg, p["path"], device)
+    baselines = eval_parts.load_baselines(cfg, device)
+    p["occupancy"] = {name: runner.dms_occupancy(m, [torch.tensor(s["input_ids"]) for s in p["sequences"]],
+                                                 batch_size=cfg.eval.batch_size)
+                      for name, m in baselines.items() if runtime_of(m).policy.ragged}
+    extra = {o["B"] for o in p["occupancy"].values()} - {b.total for b in p["budgets"]}
+    if extra:  # every policy also runs at each ragged baseline's matched budget: paired rows at the same B
+        base = p["budgets"][0]
+        p["budgets"] = sorted([*p["budgets"], *(Budget.from_total(t, sink=base.sink, window=base.window)
+                                                for t in extra)], key=lambda b: -b.total)
     items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress)
+    for name, baseline in baselines.items():
+        found, spent = eval_parts.baseline_items(cfg, p, name, baseline, reference or model,
+                                                 p["occupancy"].get(name), progress=progress)
+        items += found
+        seconds.update(spent)
     budgets = [{"B": b.total, "CR": 1 - b.total / p["seq_len"], "budget": str(b)} for b in p["budgets"]]
     summary = report.summarize(items, budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)
+    summary["occupancy"] = p["occupancy"]
     labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text"}
     text = eval_parts.describe(cfg, p) + "\n" + report.format_report(summary, budgets, labels=labels,
                                                          unreachable=p["identity"]["unreachable"])

@@ -9,7 +9,9 @@ value may be ``None`` where it is undefined for an item (a problem dense did not
 * every policy's mean with its 95 % percentile-bootstrap interval over items (:mod:`pipelines.stats`);
 * every policy's paired difference to ``streaming`` and to the *best heuristic* — the best of streaming / TOVA / H2O
   by the point estimate at that budget, chosen per metric — on the items both have, with ``resolved`` (the interval
-  excludes 0) and the items a difference of that size would need (:func:`pipelines.stats.items_needed`);
+  excludes 0) and the items a difference of that size would need (:func:`pipelines.stats.items_needed`); and
+  ``kvpop``'s paired difference to each trained baseline's row (a policy name outside :data:`POLICY_ORDER`:
+  ``eval.baselines``, e.g. StreamingLLM+ or DMS);
 * the fraction of the streaming → oracle gap each other policy closes (a paired ratio of means);
 * for the recall part, accuracy per cell (task, context, depth); the headline recall metrics use only the cells the
   stage marked ``headline`` (dense accuracy at least the calibration threshold).
@@ -30,8 +32,8 @@ import numpy as np
 from pipelines import stats
 
 HEURISTICS = ("streaming", "tova", "h2o")
-POLICY_ORDER = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
-NARRATED = ("kvpop", "oracle")  # the policies the closing sentences speak about
+POLICY_ORDER = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")  # then trained baselines' rows
+NARRATED = ("kvpop", "oracle")  # the policies the closing sentences speak about (and every trained baseline's row)
 PART_TITLES = {"text": "held-out text, teacher-forced against dense (positions >= B)",
                "recall": "recall tasks, greedy exact match and gold answer teacher-forced (headline cells)",
                "generation": "long free generation from held-out prompts (dense's continuation teacher-forced)"}
@@ -117,13 +119,25 @@ def best_heuristic(values: dict[str, dict[str, float]], metric: Metric) -> str |
     return max(present, key=lambda h: sign * sum(values[h].values()) / len(values[h]))
 
 
+def trained_baseline(policy: str) -> bool:
+    """A row of ``eval.baselines`` (StreamingLLM+, DMS, …): any name that is not one of the evaluated policies."""
+    return policy not in POLICY_ORDER
+
+
+def _vs_label(vs: str) -> str:
+    return {"streaming": "streaming", "best_heuristic": "the best heuristic"}.get(vs, vs)
+
+
 def _differences(values, metric, base, options) -> list[dict]:
     out = []
     best = best_heuristic(values, metric)
     for policy in sorted(values, key=_order):
         if policy == "dense":
             continue
-        for vs, baseline in (("streaming", "streaming"), ("best_heuristic", best)):
+        pairs = [("streaming", "streaming"), ("best_heuristic", best)]
+        if policy == "kvpop":  # KVpop against each trained baseline's row (issue 13), on the same items
+            pairs += [(other, other) for other in values if trained_baseline(other)]
+        for vs, baseline in pairs:
             if baseline is None or baseline == policy or baseline not in values:
                 continue
             items = _common(values[policy], values[baseline])
@@ -267,7 +281,7 @@ def _differences_rows(differences: list[dict]) -> tuple[list[str], list[list[str
                 continue
             cell = _cell(d, _metric(name).digits + 1, True) + ("*" if d["resolved"] else "")
             cells.append(cell + (f" {d['baseline']}" if vs == "best_heuristic" else ""))
-        rows.append([policy, "streaming" if vs == "streaming" else "best heuristic", str(total), *cells])
+        rows.append([policy, _vs_label(vs).removeprefix("the "), str(total), *cells])
     return ["policy", "vs", "B", *(_metric(n).label for n in names)], rows
 
 
@@ -286,7 +300,7 @@ def sentences(summary: dict, budgets: Sequence[dict]) -> list[str]:
     which headline metrics the paired difference is resolved, in which direction, and what the others would need."""
     groups = defaultdict(list)
     for d in summary["differences"]:
-        if d["policy"] in NARRATED and d["metric"] in HEADLINE:
+        if (d["policy"] in NARRATED or trained_baseline(d["policy"])) and d["metric"] in HEADLINE:
             if d["vs"] == "best_heuristic" and d["baseline"] == "streaming":
                 continue  # the same comparison as against streaming
             groups[(d["B"], d["policy"], d["vs"])].append(d)
@@ -294,7 +308,7 @@ def sentences(summary: dict, budgets: Sequence[dict]) -> list[str]:
     out = []
     for (total, policy, vs), diffs in sorted(groups.items(), key=lambda kv: (-kv[0][0], _order(kv[0][1]),
                                                                               kv[0][2] != "streaming")):
-        which = "streaming" if vs == "streaming" else "the best heuristic"
+        which = _vs_label(vs)
         out.append(f"At B = {total} (CR {percent(cr.get(total, math.nan))}), {policy} vs {which}: "
                    + "; ".join(_phrase(d) for d in diffs) + ".")
     return out or ["No paired differences to report (no narrated policy, or no baseline ran)."]
