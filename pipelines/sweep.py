@@ -37,6 +37,7 @@ from typing import Any
 import yaml
 
 from kvpop.files import atomic_write_text
+from kvpop.objective import METRICS as OBJECTIVE_METRICS
 from pipelines import store, tracking, train
 from pipelines.cluster import ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, apply_overrides, load_config
@@ -57,6 +58,8 @@ def variants(cfg: PipelineConfig) -> list[dict[str, Any]]:
     """The grid points as dotted overrides (``{"train.scorer": …, "train.lr": …, "budget.sink": …, …}``), in order.
 
     ``train.lr`` is absent when ``sweep.lr_range`` samples it (:func:`trial_overrides` adds the draw).
+    ``train.policy`` may be a grid key: a ``dms`` or ``streaming`` point trains no scorer, so it runs once whatever
+    ``sweep.scorers`` holds, and ``sweep.metric`` must be one its objective reports (``loss``, ``kl``).
     """
     sw = cfg.sweep
     scorers = sw.scorers or (cfg.train.scorer,)
@@ -71,8 +74,18 @@ def variants(cfg: PipelineConfig) -> list[dict[str, Any]]:
             point["train.lr"] = float(lr)
         point.update({"budget.sink": int(budget[0]), "budget.window": int(budget[1]), "budget.topk": int(budget[2])})
         point.update(dict(zip(grid_keys, extra)))
+        policy = point.get("train.policy", cfg.train.policy)
+        if sw.metric not in OBJECTIVE_METRICS.get(policy, (sw.metric,)):  # an unknown policy: the trial config says
+            raise ConfigError(f"sweep.metric={sw.metric} is not reported by train.policy={policy} (it reports "
+                              f"{', '.join(OBJECTIVE_METRICS[policy])}): use sweep.metric=kl or loss")
+        if policy != "kvpop" and any(_same_but_scorer(point, seen) for seen in out):
+            continue
         out.append(point)
     return out
+
+
+def _same_but_scorer(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k != "train.scorer"} == {k: v for k, v in b.items() if k != "train.scorer"}
 
 
 def trial_overrides(config: dict) -> dict[str, Any]:

@@ -176,3 +176,26 @@ def test_a_baseline_trains_through_the_stage_resumes_and_reloads(tiny_targets, t
     fewer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4, dms_schedule_steps=4))
     with pytest.raises(ConfigError, match="asks for fewer"):
         train.run(fewer)
+
+
+# -----------------------------------------------------------------------------
+# the sweep
+
+
+def test_train_policy_is_a_sweep_axis():
+    from pipelines import sweep
+
+    cfg = load_config(None, ["sweep.scorers=[mlp, mlstm]", "sweep.steps=20", "train.dms_schedule_steps=10",
+                             "train.mode=distill", "sweep.grid={train.policy: [kvpop, dms, streaming]}"])
+    points = sweep.variants(cfg)
+    policies = [p["train.policy"] for p in points]
+    assert policies == ["kvpop", "dms", "streaming", "kvpop"]  # a baseline trains no scorer: once, not per scorer
+    assert [p["train.scorer"] for p in points if p["train.policy"] == "kvpop"] == ["mlp", "mlstm"]
+    for point in points:  # each trial's config is valid (sweep.plan builds them the same way)
+        trial = sweep.apply_overrides(cfg.to_dict(), {**point, "train.steps": cfg.sweep.steps})
+        assert trial.train.policy == point["train.policy"]
+    with pytest.raises(ConfigError, match="sweep.metric=ret_loss is not reported by train.policy=dms"):
+        sweep.variants(load_config(None, ["sweep.metric=ret_loss", "sweep.grid={train.policy: [kvpop, dms]}"]))
+    with pytest.raises(ConfigError, match="anneals over 60 steps but the run has 20"):  # the trial's own check
+        sweep.apply_overrides(cfg.to_dict(), {"train.policy": "dms", "train.dms_schedule_steps": 60,
+                                              "train.steps": 20})
