@@ -88,11 +88,12 @@ def overrides(args, tasks, contexts, depths) -> list[str]:
 def calibrate(cfg, path, tasks, device) -> list[dict]:
     """Dense greedy exact match per recall cell (the evaluation's own sample generator and scorer)."""
     from kvpop import evaluation as runner
+    from kvpop.retrofit import saved_model_config
     from pipelines import eval_parts
     from pipelines.data import load_tokenizer
 
     tokenizer = eval_parts.checkpoint_tokenizer(path) or load_tokenizer(cfg)
-    context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    context = saved_model_config(path).get("max_position_embeddings")
     samples = eval_parts.recall_samples(cfg, tokenizer, context)
     model, reference = eval_parts.load_models(cfg, path, device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)

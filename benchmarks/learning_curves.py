@@ -39,7 +39,7 @@ if str(REPO) not in sys.path:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# measured on the H200 (NOTES.md, benchmarks/results): tokens/s of the stored path's two stages
+# measured on the H200 (benchmarks/results): tokens/s of the stored path's two stages
 PRECOMPUTE_WRITTEN_TPS = 36_000
 STORED_TRAIN_TPS = 40_000
 
@@ -195,7 +195,8 @@ def run(args) -> dict:
     import kvpop
     from kvpop.losses import check_retention_options
     from kvpop.online import scorer_only_step
-    from kvpop.pretrained import load_pretrained, smollm2_dir
+    from kvpop.pretrained import load_pretrained
+    from pipelines.models import smollm2_dir
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)

@@ -25,7 +25,7 @@
 # <temp dir>/ray_current_cluster, which a later `ray.init()` would otherwise try to join.
 #
 # Environment: KVPOP_HOME (default <repo>/.kvpop; exported to the head, so every submitted job finds the same models,
-# shards, runs and MLflow store), RAY_NUM_CPUS (default 4: logical CPUs, oversubscribed on purpose — NOTES.md: a Ray
+# shards, runs and MLflow store), RAY_NUM_CPUS (default 4: logical CPUs, oversubscribed on purpose — docs/ENVIRONMENT.md: a Ray
 # Train worker group fed by Ray Data deadlocks when it holds every CPU), ports: RAY_PORT (GCS, 6379),
 # RAY_DASHBOARD_PORT (jobs API, 8265), RAY_CLIENT_PORT (10001), RAY_DASHBOARD_AGENT_PORT (52365), MLFLOW_PORT (5001;
 # `mlflow ui` keeps its default 5000); PYTHON (default <repo>/.venv/bin/python). Waits up to START_TIMEOUT seconds
@@ -95,7 +95,7 @@ start() {
   fi
   if alive "$run/mlflow.pid"; then echo "mlflow already running (pid $(cat "$run/mlflow.pid"))"; else
     mkdir -p "$KVPOP_HOME/mlartifacts"
-    # job execution off and one worker: answers in ~11 s and exits cleanly (NOTES.md)
+    # job execution off and one worker: answers in ~11 s and exits cleanly (docs/ENVIRONMENT.md)
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false setsid "$bin/mlflow" server --workers 1 --host 127.0.0.1 \
       --port "$mlflow_port" --backend-store-uri "sqlite:///$KVPOP_HOME/mlflow.db" \
       --default-artifact-root "$KVPOP_HOME/mlartifacts" >"$run/mlflow.log" 2>&1 </dev/null &

@@ -33,7 +33,7 @@ BLOCK = 128  # FlexAttention's sparse block size
 @functools.cache
 def _compiled_flex():
     # one compiled kernel per shape and mask closure: past dynamo's recompile limit flex silently falls back to its
-    # eager path, which materialises S×S (NOTES.md) — so raise the limit well above what a process needs
+    # eager path, which materialises S×S (docs/ENVIRONMENT.md: FlexAttention) — so raise the limit well above what a process needs
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 512))

@@ -310,6 +310,16 @@ def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: b
     return folder
 
 
+def saved_model_config(path: str | Path) -> dict:
+    """The Hugging Face ``config.json`` of a folder written by :func:`save_retrofitted`: its own, or (scorer-only
+    format) its recorded base folder's — without loading weights."""
+    path = Path(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: it is not a folder written by kvpop.save_retrofitted")
+    folder = _base_folder(path, json.loads((path / CONFIG_FILE).read_text()), None, verify_base=False)
+    return json.loads((folder / "config.json").read_text())
+
+
 def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                      base: str | Path | None = None, verify_base: bool = True):
     """``(model, tokenizer_or_None)`` from a folder written by :func:`save_retrofitted`; local files only, no remote

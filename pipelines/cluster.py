@@ -1,4 +1,4 @@
-"""Joining or starting the Ray cluster every stage runs on (NOTES.md: Ray on a 2-core box).
+"""Joining or starting the Ray cluster every stage runs on (docs/ENVIRONMENT.md: Ray on a 2-core box).
 
 * ``ray.address`` set (or ``RAY_ADDRESS`` in the environment, as in a job started by ``ray job submit``): join that
   cluster — once :func:`check_address` has seen its GCS port accept a TCP connection. ``ray.init`` on an address
@@ -140,7 +140,7 @@ def ensure_ray(cfg: PipelineConfig) -> None:
 
 def require_resources(what: str, cpus: float, gpus: float = 0.0) -> None:
     """``what`` asks for ``cpus`` CPUs and ``gpus`` GPUs of the joined cluster: they must fit, with at least one CPU
-    left for Ray Data, whose tasks would otherwise never start (the Train + Data deadlock of NOTES.md)."""
+    left for Ray Data, whose tasks would otherwise never start (the Train + Data deadlock of docs/ENVIRONMENT.md)."""
     import ray
 
     resources = ray.cluster_resources()

@@ -272,7 +272,7 @@ class EvalConfig:
 @dataclass(frozen=True)
 class RayConfig:
     address: str = ""  # "" = start a local cluster (or join RAY_ADDRESS when set)
-    num_cpus: int = 4  # logical CPUs of a local cluster: oversubscribed on purpose (NOTES.md: Train+Data deadlock)
+    num_cpus: int = 4  # logical CPUs of a local cluster: oversubscribed on purpose (docs/ENVIRONMENT.md: Train+Data deadlock)
     no_progress_timeout_s: int = 600
 
     def __post_init__(self):

@@ -38,6 +38,7 @@ from kvpop import Budget
 from kvpop import evaluation as runner
 from kvpop.retrofit import runtime_of
 from kvpop.files import atomic_write_text
+from kvpop.retrofit import saved_model_config
 from pipelines import eval_parts, records, report, tracking
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
@@ -107,7 +108,7 @@ def plan(cfg: PipelineConfig) -> dict:
     kv = json.loads((path / "kvpop.json").read_text())
     base = Budget(**kv["budget"]) if kv.get("budget") else cfg.budget
     budgets, unreachable = resolve_budgets(base, seq_len, cfg.eval.budgets, cfg.eval.compression_ratios)
-    context = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
+    context = saved_model_config(path).get("max_position_embeddings")
     try:
         samples = eval_parts.recall_samples(cfg, tokenizer, context)
         problems = long_prompts.load_problems(cfg.eval.generation_prompts, seed=cfg.data.seed, training_docs=

@@ -2,7 +2,7 @@
 
 The store is sqlite under the KVpop home (``mlflow ui --backend-store-uri sqlite:///…/mlflow.db``). Experiments are
 created by the driver with an absolute artifact location: created inside a Ray worker they would land under
-``/tmp/ray/session_*``, which vanishes (NOTES.md).
+``/tmp/ray/session_*``, which vanishes (docs/ENVIRONMENT.md).
 """
 from __future__ import annotations
 

@@ -77,7 +77,7 @@ def smollm2(smollm2_dir):
 def ray_cluster():
     """ONE local Ray cluster for the whole test session (starting one costs 5–8 s and ~1 GiB here).
 
-    4 logical CPUs on the 2-core box on purpose (NOTES.md: Train workers + Ray Data deadlock at num_cpus=2).
+    4 logical CPUs on the 2-core box on purpose (docs/ENVIRONMENT.md: Train workers + Ray Data deadlock at num_cpus=2).
     Yields the GCS address, which subprocess drivers pass as ``RAY_ADDRESS`` to join the same cluster.
     """
     import ray

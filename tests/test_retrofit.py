@@ -7,6 +7,7 @@ from torch import nn
 
 import kvpop
 from kvpop import Budget
+from kvpop.retrofit import saved_model_config
 from tests.models import tiny_model
 
 
@@ -134,6 +135,10 @@ def test_scorer_only_folder_loads_its_base_from_the_recorded_identity(tmp_path):
     loaded, _ = kvpop.load_retrofitted(tmp_path / "m")
     with torch.no_grad():
         assert torch.equal(loaded(ids, use_cache=False).logits, before)
+    # the model's HF config is the base's (what evaluation reads for the context length), no weights loaded
+    assert saved_model_config(tmp_path / "m") == json.loads((tmp_path / "base" / "config.json").read_text())
+    kvpop.save_retrofitted(model, tmp_path / "full")
+    assert saved_model_config(tmp_path / "full")["max_position_embeddings"] == model.config.max_position_embeddings
     # moved elsewhere: the base is given explicitly; a base with other weights is refused
     (tmp_path / "base").rename(tmp_path / "moved")
     with pytest.raises(FileNotFoundError, match="holds scorers only; its base model .* is missing"):
