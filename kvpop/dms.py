@@ -33,7 +33,8 @@ only when the token leaves a sliding window. What follows is the public recipe o
   this project's top-K KL (:func:`kvpop.losses.topk_kl`, METHOD §3) where NVIDIA uses the full vocabulary.
 
 Memory is ragged: each (layer, KV head) holds its window plus whatever its gates kept, so compare DMS with other
-policies at matched *mean* retained tokens and report the peak (:func:`retained_counts`, ``kvpop.dms_cache``).
+policies at matched *mean* retained tokens and report the peak (:func:`retained_counts`, :func:`matched_total`,
+``kvpop.dms_cache``).
 """
 from __future__ import annotations
 

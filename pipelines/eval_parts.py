@@ -93,8 +93,8 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
         o = p.get("occupancy", {}).get(name)
         lines.append(f"{name}: trained baseline {cfg.eval.baselines[name]}" + ("" if o is None else (
             f"; ragged: mean {o['mean']:.1f} retained tokens per (layer, head) over the queries d >= {o['B']}, so "
-            f"its row is at B = {o['B']}; peak {o['peak']} (per-head max up to "
-            f"{max(max(r) for r in o['max_per_head'])})")))
+            f"its row is at B = {o['B']}; peak {o['peak']}; per (layer, head) means "
+            f"{min(min(r) for r in o['mean_per_head']):.1f}-{max(max(r) for r in o['mean_per_head']):.1f}")))
     if "oracle" in cfg.eval.policies and (p["samples"] or p["problems"]):
         lines.append("oracle in generation: the teacher targets of the prompt + dense's continuation, by position")
     return "\n".join(lines)
