@@ -178,6 +178,27 @@ def test_a_baseline_trains_through_the_stage_resumes_and_reloads(tiny_targets, t
         train.run(fewer)
 
 
+@pytest.mark.ray
+@pytest.mark.parametrize("policy", ["dms", "streaming"])
+def test_targets_without_top_k_logits_are_refused_before_anything_is_written(tiny_targets, tiny_setup, tmp_path,
+                                                                             policy):
+    import pyarrow.parquet as pq
+
+    from pipelines import store
+    from tests.test_train import _copy_targets, _rewrite_manifest_entry
+
+    folder = _copy_targets(tiny_targets, tmp_path)
+    shard0 = folder / store.SHARDS / store.shard_name(0)
+    pq.write_table(pq.read_table(shard0).drop_columns(["topk_indices"]), shard0)
+    _rewrite_manifest_entry(folder, 0)
+    home = tmp_path / "home"
+    cfg = tiny_config(tiny_setup, home, f"train.targets={folder}", "train.steps=4", *POLICY_OVERRIDES[policy])
+    with pytest.raises(ConfigError, match="has no column 'topk_indices'") as err:
+        train.run(cfg)
+    assert "\n" not in str(err.value)
+    assert not (home / "runs").exists() and not (home / "mlflow.db").exists()
+
+
 # -----------------------------------------------------------------------------
 # the sweep
 
