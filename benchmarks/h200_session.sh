@@ -44,7 +44,8 @@ for part in $parts; do
                   ${CURVES_ARGS:-} ;;
     # issue 13: KVpop (scorer-only, + distill) vs the trained baselines StreamingLLM+ and DMS at CR 87.5 % (100
     # steps each), dense and streaming too, on the same held-out items, recall cells and generations; ~8 min
-    baselines)  python benchmarks/baselines_h200.py --out "$out" ${BASELINES_ARGS:-} ;;
+    baselines)  python -m pytest -q -rs tests/test_evaluate_baselines.py -k cuda && \
+                python benchmarks/baselines_h200.py --out "$out" ${BASELINES_ARGS:-} ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -21,7 +21,8 @@ count real tokens only (``cumsum(mask) - 1``, as ``generate`` does), so a padded
 row alone. **Generation** (:func:`continue_prompts`) takes the prompt as ``generate()`` does (the bounded prefill:
 a dynamic policy by the cache's chunk rule), once; then the cache is repeated row by row
 (``batch_repeat_interleave``) so that the greedy continuation and a given continuation to teacher-force (dense's
-own, a gold answer) advance in the same decoding steps, graphed on CUDA. Greedy decoding runs a fixed number of
+own, a gold answer) advance in the same decoding steps, graphed on CUDA (a ragged policy's steps run eagerly: DMS's
+cache grows with Python-side checks). Greedy decoding runs a fixed number of
 steps (a graph has static shapes); the caller cuts each row after its first EOS.
 
 Item-level results, the per-item values evaluation bootstraps:
@@ -251,7 +252,7 @@ def continue_prompts(model, setting: Setting, prompts: Sequence[Sequence[int]], 
     steps = max(max_new_tokens, longest)
     table = oracle_table(targets, width + steps).to(device) if setting.policy == "oracle" else None
     fixed = setting.budget is not None
-    graphed = fixed and ids.is_cuda
+    graphed = fixed and ids.is_cuda and not POLICIES[setting.policy].ragged  # DMS's growing cache: eager steps
     with applied(model, setting), (oracle_priorities(model, table) if table is not None else contextlib.nullcontext()):
         cache = KVpopCache(model) if fixed else None
         end = 0

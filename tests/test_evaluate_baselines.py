@@ -71,6 +71,19 @@ def test_dms_occupancy_matches_the_hard_mask(tokenizer):  # noqa: F811
         dms_occupancy(model, sequences)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the graphed generation path needs CUDA")
+def test_dms_generation_on_cuda_steps_eagerly_and_matches_cpu():
+    """DMS's cache grows (not graph-capturable): on CUDA its decoding steps run eagerly, with CPU's logits."""
+    from kvpop.evaluation import Setting, continue_prompts
+
+    model = _dms(97).eval()
+    setting = Setting("dms", Budget(2, 8, 0))
+    prompts, forced = [[5, 6, 7] * 9, [8, 9] * 7], [[1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    cpu = continue_prompts(model, setting, prompts, max_new_tokens=6, forced=forced)
+    gpu = continue_prompts(model.cuda(), setting, prompts, max_new_tokens=6, forced=forced)
+    torch.testing.assert_close(gpu.forced.cpu(), cpu.forced, atol=1e-3, rtol=1e-3)
+
+
 @pytest.mark.pretrained
 def test_trained_baselines_are_rows_on_the_same_items(setup, tokenizer, tmp_path):  # noqa: F811
     cfg, checkpoint = setup
