@@ -204,8 +204,8 @@ def causal_attention_with_lse(q, k, v, *, scale: float, backend: str = "auto"):
     group = hq // hkv
     if _resolve(backend, q) == "flex":
         block_mask = _causal_block_mask(size, str(q.device))
-        out, aux = _flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=group > 1,
-                         return_aux=AuxRequest(lse=True))
+        out, aux = flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=group > 1,
+                        return_aux=AuxRequest(lse=True))
         return out, aux.lse.float()
     keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     out = torch.empty_like(q)
