@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kvpop.targets import causal_lse, future_attention_targets, future_attention_targets_dense
+from kvpop.targets import (causal_attention_with_lse, causal_lse, future_attention_targets,
+                           future_attention_targets_dense)
 
 SHAPES = [  # B, Hq, Hkv, S, D, window
     (2, 4, 2, 37, 16, 3),  # GQA
@@ -102,3 +103,20 @@ def test_teacher_pass_on_a_real_decoder_matches_its_own_attention():
     assert torch.allclose(out["topk_values"], top.values, atol=1e-4)
     assert torch.equal(out["topk_indices"], top.indices)
     assert model.config._attn_implementation == "sdpa"  # restored
+
+
+@pytest.mark.parametrize("backend", ["flex", "chunked"])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+def test_causal_attention_with_lse_matches_a_dense_reference(backend, heads):
+    """The teacher's forward (output and natural-log LSE) on both backends against an fp64 softmax over the causal
+    S×S scores, MHA / GQA / MQA."""
+    torch.manual_seed(0)
+    hq, hkv = heads
+    q, k, v = torch.randn(2, hq, 24, 16), torch.randn(2, hkv, 24, 16), torch.randn(2, hkv, 24, 16)
+    out, lse = causal_attention_with_lse(q, k, v, scale=0.25, backend=backend)
+    group = hq // hkv
+    kk, vv = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = (q.double() @ kk.transpose(-1, -2)) * 0.25
+    scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), scores.softmax(-1) @ vv, atol=1e-5, rtol=1e-5)
