@@ -6,8 +6,20 @@ import torch
 from kvpop.cache import CACHE_KWARG, KVpopCache
 
 
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position under left padding: real tokens count from 0 (``cumsum(mask) - 1``, as ``generate``
+    computes them), padding gets 0 (it is never attended to)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def _forward(model, cache, input_ids, start: int, end: int, attention_mask=None, position_ids=None, **kwargs):
-    """One call with columns ``start:end`` (the mask covers every column so far, as transformers expects)."""
+    """One call with columns ``start:end`` (the mask covers every column so far, as transformers expects).
+
+    With a mask and no positions, positions count real tokens (:func:`padded_positions`): transformers would
+    count columns, which shifts a padded row's RoPE by its padding. Attention is blind to that shift, but a
+    scorer reads the rotated keys, so its priorities — and the retained set — would differ from the row alone's."""
+    if position_ids is None and attention_mask is not None:
+        position_ids = padded_positions(attention_mask[:, :end])
     return model(input_ids=input_ids[:, start:end], use_cache=True,
                  attention_mask=None if attention_mask is None else attention_mask[:, :end],
                  position_ids=None if position_ids is None else position_ids[:, start:end],
