@@ -37,7 +37,7 @@ def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, 
 
     Chunks are counted back from the last column (the first call takes the remainder), so that a left-padded row
     is cut where it would be cut alone. ``attention_mask`` / ``position_ids`` cover all of ``input_ids``' columns
-    (left padding only).
+    (left padding only); positions default to :func:`padded_positions` of the mask.
     """
     cache = cache if cache is not None else KVpopCache(model)
     chunk = chunk if chunk is not None else model.kvpop_runtime.prefill_chunk
@@ -61,6 +61,7 @@ def teacher_forced_logits(model, input_ids: torch.Tensor, *, prefill: int = 0, c
     """Logits ``[B, S, V]`` of feeding ``input_ids`` through a fresh :class:`KVpopCache`.
 
     The first ``prefill`` tokens go in one call, the rest ``chunk`` tokens per call (``chunk=1``: decoding).
+    ``attention_mask``: left padding; positions count real tokens, so every row gives its logits alone.
     For a static policy this must equal one masked forward (METHOD §5); dynamic policies (TOVA, H2O) only run here,
     token by token inside every call (``dynamic_chunks=False``), so their logits do not depend on the calls.
     ``graphed`` (CUDA, ``chunk=1``, no padding): the decoding steps replay one captured CUDA graph
