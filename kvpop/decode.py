@@ -6,8 +6,20 @@ import torch
 from kvpop.cache import CACHE_KWARG, KVpopCache
 
 
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each column's position under left padding: real tokens count from 0 (``cumsum(mask) - 1``, as ``generate``
+    computes them), padding gets 0 (it is never attended to)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def _forward(model, cache, input_ids, start: int, end: int, attention_mask=None, position_ids=None, **kwargs):
-    """One call with columns ``start:end`` (the mask covers every column so far, as transformers expects)."""
+    """One call with columns ``start:end`` (the mask covers every column so far, as transformers expects).
+
+    With a mask and no positions, positions count real tokens (:func:`padded_positions`): transformers would
+    count columns, which shifts a padded row's RoPE by its padding. Attention is blind to that shift, but a
+    scorer reads the rotated keys, so its priorities — and the retained set — would differ from the row alone's."""
+    if position_ids is None and attention_mask is not None:
+        position_ids = padded_positions(attention_mask[:, :end])
     return model(input_ids=input_ids[:, start:end], use_cache=True,
                  attention_mask=None if attention_mask is None else attention_mask[:, :end],
                  position_ids=None if position_ids is None else position_ids[:, start:end],
@@ -25,7 +37,7 @@ def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, 
 
     Chunks are counted back from the last column (the first call takes the remainder), so that a left-padded row
     is cut where it would be cut alone. ``attention_mask`` / ``position_ids`` cover all of ``input_ids``' columns
-    (left padding only).
+    (left padding only); positions default to :func:`padded_positions` of the mask.
     """
     cache = cache if cache is not None else KVpopCache(model)
     chunk = chunk if chunk is not None else model.kvpop_runtime.prefill_chunk
@@ -49,6 +61,7 @@ def teacher_forced_logits(model, input_ids: torch.Tensor, *, prefill: int = 0, c
     """Logits ``[B, S, V]`` of feeding ``input_ids`` through a fresh :class:`KVpopCache`.
 
     The first ``prefill`` tokens go in one call, the rest ``chunk`` tokens per call (``chunk=1``: decoding).
+    ``attention_mask``: left padding; positions count real tokens, so every row gives its logits alone.
     For a static policy this must equal one masked forward (METHOD §5); dynamic policies (TOVA, H2O) only run here,
     token by token inside every call (``dynamic_chunks=False``), so their logits do not depend on the calls.
     ``graphed`` (CUDA, ``chunk=1``, no padding): the decoding steps replay one captured CUDA graph

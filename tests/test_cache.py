@@ -164,3 +164,42 @@ def test_graphed_decoder_without_snapshot_keeps_its_warmup_steps():
             want = model(input_ids=token, position_ids=position, use_cache=True, **{CACHE_KWARG: eager}).logits
     assert (got.float() - want.float()).abs().max().item() <= 1e-4
     assert graphed.get_seq_length() == eager.get_seq_length() == 33
+
+
+PADDED = [("kvpop", "mlp", 0.0), ("kvpop", "mlstm", 0.0), ("kvpop", "mlp", 0.5), ("kvpop", "mlstm", 0.5),
+          ("random", None, 0.0), ("streaming", None, 0.0), ("oracle", None, 0.0), ("oracle", None, 0.5)]
+
+
+@pytest.mark.parametrize("policy, scorer, recency", PADDED, ids=[f"{p}-{s}-r{r}" for p, s, r in PADDED])
+def test_left_padded_rows_decode_as_each_row_alone(policy, scorer, recency):
+    """Decode ≡ masked forward, row by row (METHOD §5): through the cache, a left-padded row — its prompt in one call
+    or in chunks (its padding longer than several chunks), then decoded by ``generate`` — gives the logits of the row
+    alone in one masked forward. Positions count real tokens (``kvpop.decode.padded_positions``): counting columns
+    shifts a padded row's RoPE, which attention does not see but a scorer, reading the rotated keys, does."""
+    budget, new = Budget(2, 4, 6), 6
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, budget, scorer=scorer, policy=policy, recency=recency)
+    prompts = [torch.randint(1, 97, (n,)) for n in (5, 14, 23)]  # within B, past it; 18 columns of padding
+    ids, mask = left_padded(prompts)
+    rt = model.kvpop_runtime
+    # oracle targets by real position, with many ties; every row's own table when alone
+    targets = torch.randint(0, 4, (rt.num_layers, len(prompts), rt.num_kv_heads, 23 + new)).float()
+
+    def alone(i, row):
+        with torch.no_grad(), kvpop.oracle_priorities(model, targets[:, i:i + 1]):
+            return model(row[None], use_cache=False).logits[0]
+
+    with kvpop.oracle_priorities(model, targets):
+        forced = {"one call": kvpop.teacher_forced_logits(model, ids, prefill=ids.shape[1], attention_mask=mask),
+                  "chunks": kvpop.teacher_forced_logits(model, ids, prefill=3, chunk=4, attention_mask=mask)}
+        generated = {chunk: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                           prefill_chunk=chunk, output_logits=True, return_dict_in_generate=True)
+                     for chunk in (None, 4)}
+    for i, prompt in enumerate(prompts):
+        want = alone(i, prompt)
+        for how, logits in forced.items():
+            assert (logits[i, ids.shape[1] - len(prompt):] - want).abs().max() <= 1e-4, (how, i)
+        for chunk, out in generated.items():
+            row = torch.cat([prompt, out.sequences[i, ids.shape[1]:]])
+            steps = torch.stack(out.logits, dim=1)[i]  # the logits each decoding step chose its token from
+            assert (steps - alone(i, row)[len(prompt) - 1:-1]).abs().max() <= 1e-4, (chunk, i)

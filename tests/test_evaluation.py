@@ -6,11 +6,13 @@ import math
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import kvpop
 from kvpop import Budget
 from kvpop import evaluation as EV
 from kvpop.cache import CACHE_KWARG
+from kvpop.decode import padded_positions
 from tests.models import tiny_model
 
 BUDGET = Budget(2, 4, 6)
@@ -41,7 +43,8 @@ def prompts(lengths=(9, 14, 20), seed=0):
 
 
 def targets_of(model, rows, window=BUDGET.window):
-    return [EV.teacher_targets(model, torch.tensor([r]), [window])[window][:, 0] for r in rows]
+    device = next(model.parameters()).device
+    return [EV.teacher_targets(model, torch.tensor([r], device=device), [window])[window][:, 0] for r in rows]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -193,24 +196,40 @@ def test_plain_reference_model_runs_dense():
     assert not any(math.isnan(r["kl"]) for r in records)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@torch.no_grad()
+def eager_forced(model, name, ids, mask):
+    """The eager reference of a setting's teacher-forced logits on a left-padded batch: the fixed cache, the whole
+    batch in one call; dense, which has no fixed cache, through transformers' DynamicCache one column at a time, as
+    generate() decodes it."""
+    with EV.applied(model, setting(name)):
+        if name != "dense":
+            return kvpop.teacher_forced_logits(model, ids, prefill=ids.shape[1], attention_mask=mask)
+        cache, positions = DynamicCache(config=model.config), padded_positions(mask)
+        return torch.cat([model(input_ids=ids[:, c:c + 1], attention_mask=mask[:, :c + 1],
+                                position_ids=positions[:, c:c + 1], use_cache=True, **{CACHE_KWARG: cache}).logits
+                          for c in range(ids.shape[1])], dim=1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
 @pytest.mark.parametrize("name", ALL)
-def test_cuda_graphed_paths_equal_the_eager_ones(name):
+def test_graphed_paths_equal_the_eager_ones(name, device):
     """On CUDA, dynamic teacher forcing and every fixed-budget generation step through one captured graph: the
-    same logits (to float tolerance) and tokens as the eager cache path and transformers' generate."""
-    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp").cuda()
+    same logits (to float tolerance) and tokens as the eager cache path and transformers' generate. On CPU the same
+    comparisons hold without graphs: a static policy's masked forward against the cache, and the batched greedy
+    loop against generate() alone."""
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp").to(device)
     rows = prompts()
-    ids, mask, _ = EV.left_pad(rows, pad_id=0, device="cuda")
-    targets = [t.cuda() for t in targets_of(model, rows)] if name == "oracle" else None
+    ids, mask, _ = EV.left_pad(rows, pad_id=0, device=device)
+    targets = targets_of(model, rows) if name == "oracle" else None
     table = EV.oracle_table(targets, ids.shape[1]) if name == "oracle" else None
     got = EV.forced_logits(model, setting(name), ids, mask=mask, targets=table, start=3)
-    with EV.applied(model, setting(name)), (kvpop.oracle_priorities(model, table) if table is not None
-                                            else contextlib.nullcontext()):
-        eager = kvpop.teacher_forced_logits(model, ids, prefill=ids.shape[1], attention_mask=mask)[:, 3:]
+    with kvpop.oracle_priorities(model, table) if table is not None else contextlib.nullcontext():
+        eager = eager_forced(model, name, ids, mask)[:, 3:]
     torch.testing.assert_close(got, eager, atol=1e-4, rtol=1e-3)
     batched = EV.greedy(model, setting(name), rows, max_new_tokens=6, targets=targets)
     for i, row in enumerate(rows):
         with EV.applied(model, setting(name)), (kvpop.oracle_priorities(
                 model, EV.oracle_table([targets[i]], len(row) + 6)) if name == "oracle" else contextlib.nullcontext()):
-            ref = model.generate(torch.tensor([row], device="cuda"), max_new_tokens=6, do_sample=False, pad_token_id=0)
+            ref = model.generate(torch.tensor([row], device=device), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert ref[0, len(row):].tolist() == batched[i], (name, i)

@@ -61,9 +61,11 @@ def random_targets(model, batch, size, budget):
 # -- scorers: a chunk of calls at once equals stepping ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("features", ["kv", "kv_norms"])
 @pytest.mark.parametrize("name", ["mlp", "mlstm", "mlstm_immediate"])
-def test_scorer_resume_equals_stepping(name):
+def test_scorer_resume_equals_stepping(name, features):
     options = {"chunk_size": 16, "qk_dim": 16, "v_dim": 16} if name.startswith("mlstm") else {}
+    options["features"] = features
     scorer = build_scorer(name, 2, 8, 5, **options)
     keys, values = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
     valid = torch.ones(3, 40, dtype=torch.bool)

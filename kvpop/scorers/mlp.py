@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpop.scorers.base import (PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_append, ring_from_sequence,
-                                ring_leaving, ring_swap, token_features)
+                                ring_leaving, ring_swap)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class MLPScorer(Scorer):
 
     def resume(self, keys, values, state, valid=None):
         with fp32_region(keys.device):
-            p_new = self.mlp(token_features(keys, values, valid, self.config.norm_eps))  # [B, H, C]
+            p_new = self.mlp(self.features(keys, values, valid))  # [B, H, C]
         pos = state["pos"]
         return ring_leaving(state["p_ring"], pos, p_new), {"p_ring": ring_append(state["p_ring"], pos, p_new),
                                                            "pos": pos + keys.shape[2]}

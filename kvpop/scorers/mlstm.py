@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from mlstm_kernels.torch.backend_module import mLSTMBackend, mLSTMBackendConfig
 
 from kvpop.scorers.base import (PerHeadLinear, PerHeadMLP, Scorer, ScorerConfig, fp32_region, ring_append,
-                                ring_from_sequence, ring_leaving, ring_swap, token_features)
+                                ring_from_sequence, ring_leaving, ring_swap)
 
 # Triton's tl.dot rounds float32 inputs to TF32 by default: measured on an H200, the Triton mLSTM kernels then
 # disagree with the native ones and with step() by ~3e-3 in priority (IEEE: ~4e-6, and no slower). The choice is
@@ -211,7 +211,7 @@ class MLSTMScorer(Scorer):
         NH, L = self.config.num_heads, self.config.chunk_size
         pos = state["pos"]
         with fp32_region(keys.device):
-            x = token_features(keys, values, valid, self.config.norm_eps)
+            x = self.features(keys, values, valid)
             own = self.own(x)  # [B, H, C]
             q, k, v, i, f = self._project(x, valid)
             new_state = {"pos": pos + C}
