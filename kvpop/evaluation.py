@@ -47,7 +47,7 @@ import torch
 
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
-from kvpop.decode import GraphedDecoder, chunk_bounds, prefill, teacher_forced_logits
+from kvpop.decode import GraphedDecoder, chunk_bounds, padded_positions, prefill, teacher_forced_logits
 from kvpop.dms import matched_total, retained_per_query
 from kvpop.metrics import first_divergence, per_sequence
 from kvpop.policies import POLICIES, build_policy
@@ -125,8 +125,7 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int = 0, device=None):
         if len(row):
             ids[i, width - len(row):] = torch.as_tensor(list(row), dtype=torch.long)
             mask[i, width - len(row):] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    return ids.to(device), mask.to(device), positions.to(device)
+    return ids.to(device), mask.to(device), padded_positions(mask).to(device)
 
 
 def oracle_table(per_row: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -151,7 +150,7 @@ def dense_logits(model, ids: torch.Tensor, mask: torch.Tensor | None = None) -> 
 def _positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is None:
         return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+    return padded_positions(mask)
 
 
 @torch.no_grad()

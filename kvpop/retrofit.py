@@ -25,7 +25,7 @@ from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.dms import DMSGate, attach_gates
 from kvpop.files import weights_digest
-from kvpop.decode import chunk_bounds, prefill
+from kvpop.decode import chunk_bounds, padded_positions, prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
@@ -150,7 +150,7 @@ def _generate_with_kvpop_cache(self, inputs=None, *args, prefill_chunk: int | No
             mask = kwargs.get("attention_mask")
             if mask is None:
                 mask = kwargs["attention_mask"] = torch.ones_like(ids)
-            positions = (mask.long().cumsum(-1) - 1).clamp(min=0)  # as generate computes them
+            positions = padded_positions(mask)  # as generate computes them
             prefill(self, ids[:, :end], cache=cache, chunk=chunk, attention_mask=mask[:, :end],
                     position_ids=positions[:, :end])
     return type(self).generate(self, inputs, *args, **kwargs)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pipelines import records, train
+from pipelines import evaluate, records, train
 from pipelines.config import ConfigError, load_config
 
 
@@ -52,10 +52,14 @@ def test_keys_follow_the_settings_a_stage_output_depends_on(tmp_path):
 
 
 def test_the_trained_model_is_found_from_the_record_alone(tmp_path, monkeypatch):
+    """Train's record names the model for the train stage's readers and for evaluate, without a tokenizer or a
+    weight hash (both patched to fail)."""
     cfg = _cfg(tmp_path)
     with pytest.raises(ConfigError, match="no trained retrofitted model for config 'default'"):
         train.model_dir(cfg)
     model = tmp_path / "runs" / "r" / "final_model"
+    model.mkdir(parents=True)
+    (model / "kvpop.json").write_text("{}")  # evaluate checks that the named folder is a saved retrofitted model
     records.commit(cfg, "train", {"run_name": "r", "model_dir": str(model), "mlflow_run_id": "abc", "steps": 90,
                                   "targets": "/t", "mode": "scorer_only"})
 
@@ -67,6 +71,7 @@ def test_the_trained_model_is_found_from_the_record_alone(tmp_path, monkeypatch)
                    "kvpop.files.weights_digest"):
         monkeypatch.setattr(target, refuse)
     assert train.model_dir(cfg) == model  # the teacher folder does not even exist
+    assert evaluate.trained_model_path(cfg) == model
     assert train.trained_model_record(cfg).payload["mlflow_run_id"] == "abc"
     assert train.model_dir(load_config(None, [f"home={tmp_path}", "model.path=/nowhere/teacher",
                                               "train.steps=3"])) == model  # steps do not name another run
