@@ -27,6 +27,7 @@ from kvpop.parameters import TRAIN_MODES
 from kvpop.policies import POLICIES
 from kvpop.scorers import SCORERS
 from pipelines.models import REPO_ROOT, kvpop_home, smollm2_dir
+from pipelines.offline import OFFLINE_ENV
 from pipelines.schema import ConfigError, build, parse_override, set_path
 from pipelines.recall.spec import TASKS  # the recall-task registry: imports no pipeline stage
 
@@ -413,6 +414,5 @@ def fingerprint(*parts: Any, length: int = 16) -> str:
 
 def env_home(cfg: PipelineConfig) -> dict[str, str]:
     """Environment for Ray workers so that they resolve the same home as the driver."""
-    return {"KVPOP_HOME": str(cfg.home_dir()), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "RAY_USAGE_STATS_ENABLED": "0", **({"PYTHONPATH": str(REPO_ROOT)} if "PYTHONPATH" not in os.environ
-                                              else {})}
+    return {"KVPOP_HOME": str(cfg.home_dir()), **OFFLINE_ENV, "RAY_USAGE_STATS_ENABLED": "0",
+            **({"PYTHONPATH": str(REPO_ROOT)} if "PYTHONPATH" not in os.environ else {})}

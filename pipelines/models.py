@@ -20,8 +20,8 @@ CPU and transformers 5 refuses to ``save_pretrained`` a GGUF-loaded model, so it
 again when a file no longer matches; the tests' SmolLM2 fixture refuses such a folder. Loading is
 :func:`kvpop.pretrained.load_pretrained` (local files only).
 
-Standard library at import (torch, transformers and gguf only inside the conversion), so that the config can import
-the home and model paths from here.
+The GGUF reader (through transformers) runs only inside the conversion; the config imports the home and model paths
+from here.
 """
 from __future__ import annotations
 
