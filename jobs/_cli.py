@@ -7,11 +7,18 @@ anything is written**: the config loader and :func:`preflight` check what needs 
 inputs, also before writing. Ctrl-C is one line and exit code 130. Anything else is a failure of the run, not of the
 input: its traceback and exit code 1.
 
+Ctrl-C while a stage runs ends the process at once (:func:`_leave_on_interrupt`) instead of unwinding: a
+KeyboardInterrupt can land anywhere — inside ``logging``'s lock release, where it is ignored and leaves the lock held
+(the run then hangs), or inside ``ray.init``, whose clean-up then crashes — and nothing needs it, since every stage
+commits its work atomically and resumes after a kill (the processes ``ray.init`` starts share the driver's fate).
+
 The process environment (offline Hugging Face libraries) is set by ``jobs/__init__.py``, before anything imports them.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable
@@ -88,6 +95,13 @@ def interrupted(stage: str) -> int:
     return 130
 
 
+def _leave_on_interrupt(stage: str):
+    def handler(signum, frame):
+        os.write(2, f"kvpop {stage}: interrupted\n".encode())
+        os._exit(130)
+    return handler
+
+
 def main(stage: str, description: str, body: Callable[[PipelineConfig], object], argv=None, *,
          needs_ray: bool = True) -> int:
     """Parse ``argv``, load and check the config, run ``body(cfg)``; the exit code. ``needs_ray=False``: a stage that
@@ -100,10 +114,13 @@ def main(stage: str, description: str, body: Callable[[PipelineConfig], object],
                 check_address(cfg)
         except (ConfigError, ValueError, OSError) as err:  # the config as given: nothing has run yet
             return fail(stage, err)
+        previous = signal.signal(signal.SIGINT, _leave_on_interrupt(stage))
         try:
             body(cfg)
         except ConfigError as err:  # a stage's input check (raised before it writes)
             return fail(stage, err)
+        finally:
+            signal.signal(signal.SIGINT, previous)
     except KeyboardInterrupt:
         return interrupted(stage)
     return 0

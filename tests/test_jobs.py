@@ -193,7 +193,8 @@ def _probe_s(message: str) -> str:
 # --------------------------------------------------------------------------------------------- Ctrl-C
 def test_ctrl_c_in_a_stage_is_one_line_exit_130(tiny_setup, tmp_path):
     """SIGINT while ``python -m jobs.pipeline`` is inside its first stage (starting Ray and reading the corpus take
-    seconds on two cores) ends it with one stderr line and exit code 130, no traceback."""
+    seconds on two cores) ends it at once with one stderr line and exit code 130, no traceback — wherever it lands
+    (unwinding a KeyboardInterrupt could hang in a held logging lock or crash inside ray.init)."""
     env = {**os.environ, "KVPOP_HOME": str(tmp_path / "home")}
     env.pop("RAY_ADDRESS", None)
     overrides = [item for override in tiny_overrides(tiny_setup, tmp_path / "home") for item in ("--set", override)]
@@ -212,7 +213,9 @@ def test_ctrl_c_in_a_stage_is_one_line_exit_130(tiny_setup, tmp_path):
             proc.kill()
             proc.wait()
     assert proc.returncode == 130, err
-    assert err.strip().splitlines() == ["kvpop pipeline: interrupted"], err
+    # Ray may have logged its own start-up lines before; ours is the last, and nothing unwound into a traceback
+    assert err.strip().splitlines()[-1] == "kvpop pipeline: interrupted", err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
 
 
 def test_ctrl_c_while_a_cli_still_imports_is_one_line():
