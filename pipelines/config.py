@@ -249,7 +249,7 @@ class EvalConfig:
     budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
     compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
     #                                     is below sink + window is reported as unreachable. Neither set: training B
-    tasks: tuple[str, ...] = ("niah_single", "niah_multikey_2", "variable_tracking_1")  # pipelines/recall
+    tasks: tuple[str, ...] = ("niah_single", "niah_multikey_2")  # pipelines/recall
     task_contexts: tuple[int, ...] = (384,)  # prompt lengths in tokens
     task_depths: tuple[float, ...] = (0.5,)  # where the needle sits, as a fraction of the filler
     task_samples: int = 4  # per (task, context, depth) cell; 0 = no recall tasks
@@ -261,7 +261,7 @@ class EvalConfig:
     checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
     batch_size: int = 4  # held-out sequences per teacher-forced forward
     generation_batch_size: int = 12  # prompts per left-padded generation batch
-    dynamic_sequences: int = 0  # TOVA/H2O teacher-forced on the first N held-out sequences only; 0 = all
+    dynamic_sequences: int = 4  # TOVA/H2O teacher-forced on the first N held-out sequences only; 0 = all
     baselines: dict = field(default_factory=dict)  # trained baselines as extra rows: {row name: a saved retrofitted
     #     model folder, e.g. the final_model of a train.policy=streaming or dms run}, each under its own policy on the
     #     same items; DMS (ragged) at the budget of its mean retained tokens
