@@ -16,7 +16,8 @@ inputs finds ``complete.json``, prints the report and reuses the MLflow run ``ev
 run left unfinished by a crash is resumed, not duplicated). The stage's hand-over record (:mod:`pipelines.records`,
 ``evaluate``: the directory and the MLflow run id) is written last. Budgets: ``eval.budgets`` totals and
 ``eval.compression_ratios`` (CR = 1 - B / S) with the training budget's sink and window, topk swept; a CR whose B is
-below sink + window is reported as unreachable. Free generation: the oracle gets the prompt's own targets only.
+below sink + window is reported as unreachable. Free generation: the oracle ranks by the teacher's targets of the
+prompt followed by dense's continuation.
 
 **Trained baselines** (``eval.baselines``: row name → saved model folder, hashed into ``<key>``): each runs on the
 same items under its own policy (:func:`pipelines.eval_parts.baseline_items`) against the same dense reference, as
