@@ -51,7 +51,7 @@ def setup(tokenizer, tmp_path, monkeypatch):
                  "policies": ["dense", "streaming", "tova", "oracle", "kvpop"], "tasks": ["niah_single"],
                  "task_contexts": [128], "task_depths": [0.1, 0.5], "task_samples": 2, "task_min_dense": 0.0,
                  "max_new_tokens": 3, "generation_prompts": 2, "generation_tokens": 5, "batch_size": 2,
-                 "generation_batch_size": 3, "resamples": 200}})
+                 "generation_batch_size": 3, "resamples": 200, "dynamic_sequences": 0}})
     return cfg, checkpoint
 
 
