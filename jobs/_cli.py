@@ -20,13 +20,10 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 from typing import Callable
 
-from kvpop.pretrained import ModelConfigError, PretrainedMissingError, read_model_config
 from pipelines.cluster import check_address
 from pipelines.config import ConfigError, PipelineConfig, load_config
-from pipelines.models import missing_message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,24 +49,11 @@ def parser(stage: str, description: str) -> argparse.ArgumentParser:
 
 
 def preflight(cfg: PipelineConfig) -> None:
-    """Checks that need no Ray and write nothing: the teacher folder is loadable (``read_model_config``), a local data
-    source exists, and the budget fits the model's context."""
-    model = cfg.model.resolved_path()
-    try:
-        context = read_model_config(model).get("max_position_embeddings")
-    except PretrainedMissingError as err:
-        raise ConfigError(missing_message(model) if cfg.model.path == "smollm2" else f"model.path: {err}") from None
-    except ModelConfigError as err:
-        raise ConfigError(f"model.path: {err}") from None
-    total = cfg.budget.total
-    if isinstance(context, int) and total > context:
-        raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "
-                          f"{context} (max_position_embeddings): impossible budget")
-    from pipelines.data import is_local_source
+    """Checks that need no Ray and write nothing (:func:`pipelines.data.check_inputs`, which the first stage repeats
+    for callers of the Python API)."""
+    from pipelines.data import check_inputs  # datasets and the corpus readers: only once the config is good
 
-    if cfg.data.source not in ("champ", "stdlib") and is_local_source(cfg.data.source) \
-            and not Path(cfg.data.source).expanduser().exists():
-        raise ConfigError(f"data.source {cfg.data.source!r} does not exist")
+    check_inputs(cfg)
 
 
 def load(args) -> PipelineConfig:

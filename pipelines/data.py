@@ -45,8 +45,10 @@ import pyarrow.parquet as pq
 from transformers import AutoTokenizer
 
 from kvpop.files import atomic_write_bytes, atomic_write_text
+from kvpop.pretrained import ModelConfigError, PretrainedMissingError, read_model_config
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
 from pipelines.identity import file_digest, folder_digest, tokenizer_digest
+from pipelines.models import missing_message
 
 SPLITS = ("train", "eval")
 DATA_FORMAT_VERSION = 1
@@ -251,6 +253,26 @@ def build_sequences(docs: list[tuple[str, str]], tokenizer, *, seq_len: int, num
 
 
 # ----------------------------------------------------------------------------------------------- cache
+def check_inputs(cfg: PipelineConfig) -> None:
+    """What every stage can check before it writes anything, without Ray: the teacher folder is loadable
+    (``read_model_config``: files present, ``model_type`` named), a local data source exists, and the budget fits the
+    model's context. Raises :class:`ConfigError` with one line."""
+    model = cfg.model.resolved_path()
+    try:
+        context = read_model_config(model).get("max_position_embeddings")
+    except PretrainedMissingError as err:
+        raise ConfigError(missing_message(model) if cfg.model.path == "smollm2" else f"model.path: {err}") from None
+    except ModelConfigError as err:
+        raise ConfigError(f"model.path: {err}") from None
+    total = cfg.budget.total
+    if isinstance(context, int) and total > context:
+        raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "
+                          f"{context} (max_position_embeddings): impossible budget")
+    if cfg.data.source not in BUILTIN_SOURCES and is_local_source(cfg.data.source) \
+            and not Path(cfg.data.source).expanduser().exists():
+        raise ConfigError(f"data.source {cfg.data.source!r} does not exist")
+
+
 def load_tokenizer(cfg: PipelineConfig):
     path = cfg.model.resolved_path()
     if not (path / "tokenizer_config.json").is_file() and not (path / "tokenizer.json").is_file():

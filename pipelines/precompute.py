@@ -30,7 +30,7 @@ from kvpop.targets import teacher_pass
 from pipelines import records, store
 from pipelines.cluster import check_address, ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, config_from_dict
-from pipelines.data import load_sequences, load_tokenizer
+from pipelines.data import check_inputs, load_sequences, load_tokenizer
 
 
 def compute_rows(model, input_ids: np.ndarray, windows, *, top_k: int, group_reduce: str = "max",
@@ -154,6 +154,7 @@ def run(cfg: PipelineConfig, *, progress: Callable[[dict, int, int], None] | Non
     t_start = time.perf_counter()
     check_address(cfg)  # a ray.address where no cluster answers fails here, before anything is written
     cfg = dataclasses.replace(cfg, home=str(cfg.home_dir()))  # workers resolve the same home as the driver
+    check_inputs(cfg)  # the CLIs check it too; here for callers of the Python API, before the caches are written
     tokenizer = load_tokenizer(cfg)
     identity = store.target_identity(cfg, tokenizer)
     key = store.key_of(identity)

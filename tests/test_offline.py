@@ -78,6 +78,18 @@ def test_hub_source_fails_at_once_with_zero_network_attempts(tiny_setup, tmp_pat
     assert elapsed < 120, elapsed  # imports included; nothing waits on a network (it took 28 s of retries before)
 
 
+def test_the_python_api_is_offline_too(tiny_setup, tmp_path):
+    """``from pipelines import …`` (no CLI) sets the offline variables before transformers and datasets load: a hub
+    name as data source fails with zero network attempts."""
+    code = ("from pipelines import data\nfrom pipelines.config import load_config\n"
+            f"cfg = load_config(None, ['model.path={tiny_setup / 'teacher'}', 'data.source=someorg/somedataset'])\n"
+            "try:\n    data.load_sequences(cfg, 'train', data.load_tokenizer(cfg))\nexcept Exception as err:\n"
+            "    print(type(err).__name__)\n")
+    proc, attempts, _ = _without_network(tmp_path, "-c", code)
+    assert attempts == [], attempts
+    assert proc.returncode == 0 and "ConfigError" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_the_probe_sees_a_hub_lookup_when_offline_is_set_too_late(tmp_path):
     """The control that shows the test above can fail: ``huggingface_hub`` imported before ``HF_HUB_OFFLINE`` is set
     (what ``jobs/_cli.py`` used to do) goes to the network for a hub name."""

@@ -205,3 +205,17 @@ def test_a_second_precompute_of_a_directory_is_refused_with_one_line(tiny_target
     assert code == 2 and len(err) == 1 and "another precompute is writing" in err[0], err
     assert {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
     assert records.for_config(tiny_config(tiny_setup, home), "precompute") is None
+
+
+def test_the_python_api_checks_the_model_before_it_writes(tiny_setup, tmp_path):
+    """``precompute.run`` called directly (not through a CLI) refuses a model whose ``config.json`` names no
+    ``model_type`` before the digest and sequence caches are written."""
+    untyped = tmp_path / "untyped"
+    shutil.copytree(tiny_setup / "teacher", untyped)
+    config = json.loads((untyped / "config.json").read_text())
+    del config["model_type"]
+    (untyped / "config.json").write_text(json.dumps(config))
+    home = tmp_path / "home"
+    with pytest.raises(ConfigError, match="config.json has no model_type"):
+        precompute.run(tiny_config(tiny_setup, home, f"model.path={untyped}"))
+    assert _written(home) == []
