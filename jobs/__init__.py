@@ -7,9 +7,8 @@ ignored), and a Ctrl-C that lands while those imports run is one line, like one 
 import os
 import sys
 
-from pipelines.offline import go_offline
+import pipelines  # noqa: F401  (importing the package sets the offline variables: pipelines/__init__.py)
 
-go_offline()
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")  # stderr: the stage's own progress and errors
 

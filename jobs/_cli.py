@@ -12,7 +12,8 @@ KeyboardInterrupt can land anywhere — inside ``logging``'s lock release, where
 (the run then hangs), or inside ``ray.init``, whose clean-up then crashes — and nothing needs it, since every stage
 commits its work atomically and resumes after a kill (the processes ``ray.init`` starts share the driver's fate).
 
-The process environment (offline Hugging Face libraries) is set by ``jobs/__init__.py``, before anything imports them.
+The process environment (offline Hugging Face libraries) is set by ``jobs/__init__.py`` (through ``pipelines/__init__.py``),
+before anything imports them.
 """
 from __future__ import annotations
 
@@ -74,14 +75,18 @@ def fail(stage: str, err: BaseException) -> int:
     return 2
 
 
+def _interrupt_line(stage: str) -> str:
+    return f"kvpop {stage}: interrupted"
+
+
 def interrupted(stage: str) -> int:
-    print(f"kvpop {stage}: interrupted", file=sys.stderr)
+    print(_interrupt_line(stage), file=sys.stderr)
     return 130
 
 
 def _leave_on_interrupt(stage: str):
     def handler(signum, frame):
-        os.write(2, f"kvpop {stage}: interrupted\n".encode())
+        os.write(2, f"{_interrupt_line(stage)}\n".encode())
         os._exit(130)
     return handler
 

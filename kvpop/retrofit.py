@@ -310,13 +310,18 @@ def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: b
     return folder
 
 
+def _saved_meta(path: Path) -> dict:
+    """The ``kvpop.json`` of a folder written by :func:`save_retrofitted`."""
+    if not (path / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: it is not a folder written by kvpop.save_retrofitted")
+    return json.loads((path / CONFIG_FILE).read_text())
+
+
 def saved_model_config(path: str | Path) -> dict:
     """The Hugging Face ``config.json`` of a folder written by :func:`save_retrofitted`: its own, or (scorer-only
     format) its recorded base folder's — without loading weights."""
     path = Path(path)
-    if not (path / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: it is not a folder written by kvpop.save_retrofitted")
-    folder = _base_folder(path, json.loads((path / CONFIG_FILE).read_text()), None, verify_base=False)
+    folder = _base_folder(path, _saved_meta(path), None, verify_base=False)
     return json.loads((folder / "config.json").read_text())
 
 
@@ -332,9 +337,7 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
-    if not (path / CONFIG_FILE).is_file():
-        raise FileNotFoundError(f"{path} has no {CONFIG_FILE}: it is not a folder written by kvpop.save_retrofitted")
-    meta = json.loads((path / CONFIG_FILE).read_text())
+    meta = _saved_meta(path)
     if meta.get("format_version") not in (FORMAT_VERSION, SCORER_ONLY_FORMAT_VERSION):
         raise ValueError(f"{path}: kvpop format {meta.get('format_version')}, this version reads {FORMAT_VERSION} "
                          f"and {SCORER_ONLY_FORMAT_VERSION}")
