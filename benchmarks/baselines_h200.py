@@ -63,6 +63,8 @@ def parse(argv):
     p.add_argument("--crs", type=float, nargs="+", default=[0.875], help="compression ratios (one training each)")
     p.add_argument("--steps", type=int, default=100, help="training steps of each trained baseline")
     p.add_argument("--kvpop-steps", type=int, default=None, help="KVpop scorer-only steps (default: the preset's)")
+    p.add_argument("--kvpop-checkpoint", default="", help="the preset's trained KVpop scorer-only model (skips its "
+                   "training; steps and tokens from its kvpop_train.json, GPU seconds not known here)")
     p.add_argument("--dms-lr", type=float, default=1e-3, help="learning rate of the DMS gates")
     p.add_argument("--batch", type=int, default=32, help="held-out sequences per teacher-forced batch")
     p.add_argument("--tasks", nargs="+", default=["niah_single", "niah_multikey_2"])
@@ -76,6 +78,10 @@ def parse(argv):
     p.add_argument("--tag", default="")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     return p.parse_args(argv)
+
+
+def fmt(value, spec: str) -> str:
+    return "earlier session" if value is None else format(value, spec)
 
 
 def dms_keep_rate(total: int, sink: int, window: int, seq_len: int) -> float:
@@ -117,6 +123,16 @@ def training_cost(cfg, result, wall_s: float) -> dict:
             "steps_logged": len(logged), "wall_seconds": wall_s, "policy": t.policy, "mode": t.mode}
 
 
+def checkpoint_cost(base, model_dir: Path) -> dict:
+    """The cost entry of a model trained earlier: steps and tokens from its ``kvpop_train.json`` (the preset's batch
+    and S), GPU seconds unknown here."""
+    meta = json.loads((model_dir / "kvpop_train.json").read_text())
+    t = base.train
+    return {"run": meta["run_name"], "model_dir": str(model_dir), "steps": meta["steps"],
+            "tokens": meta["steps"] * t.batch_size * base.data.seq_len * t.num_workers, "gpu_seconds": None,
+            "mean_step_s": None, "steps_logged": 0, "wall_seconds": 0.0, "policy": "kvpop", "mode": meta["mode"]}
+
+
 def eval_overrides(args, cr: float, checkpoint: Path, baselines: dict[str, str]) -> list[str]:
     def as_list(values):
         return "[" + ",".join(str(v) for v in values) + "]"
@@ -130,11 +146,44 @@ def eval_overrides(args, cr: float, checkpoint: Path, baselines: dict[str, str])
             f"eval.generation_tokens={args.tokens}", f"eval.resamples={args.resamples}"]
 
 
+def write(args, name: str, device_type: str, base, torch_version: str, cost: dict, seconds: dict, results: list[dict]) -> None:
+    """``baselines_<device>[_<tag>].json`` and ``.md`` with the CRs evaluated so far."""
+    from pipelines import report
+
+    seq_len = base.data.seq_len
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "baselines_" + ("h200" if "H200" in name else device_type) + (f"_{args.tag}" if args.tag else "")
+    record = {"device": name, "config": Path(args.config).name, "overrides": args.set, "torch": torch_version,
+              "seq_len": seq_len, "steps": args.steps, "dms_lr": args.dms_lr, "training": cost, "seconds": seconds,
+              "results": results}
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=1, default=float))
+    md = [f"# KVpop vs trained baselines ({name}, {Path(args.config).name})", "",
+          f"S = {seq_len}; {base.data.eval_sequences} held-out sequences; recall tasks {', '.join(args.tasks)} at "
+          f"contexts {args.contexts}, depths {args.depths}, {args.task_samples} samples per cell (headline: dense >= "
+          f"{args.min_dense}); long generation {args.prompts} prompts x {args.tokens} tokens. Trained baselines: "
+          f"{args.steps} steps each (modest: the public DMS recipe runs ~250). DMS's row sits at the budget of its "
+          f"measured mean retained tokens (its peak in the row's budget column).", "",
+          "## Training cost per method", "",
+          "GPU s = steps x the mean logged step time x GPU workers (0 on CPU); wall s = the train stage in this "
+          "session (about 0 when the run already existed).", "",
+          "| method | policy | mode | steps | tokens | s / step | GPU s | wall s |", "|---|---|---|---|---|---|---|---|",
+          *[f"| {k} | {c['policy']} | {c['mode']} | {c['steps']} | {c['tokens']:,} | {fmt(c['mean_step_s'], '.3f')} | "
+            f"{fmt(c['gpu_seconds'], '.0f')} | {c['wall_seconds']:.0f} |" for k, c in cost.items()], ""]
+    for r in results:
+        labels = {(x["policy"], x["B"]): x["budget"] for x in r["labels"]}
+        md += [f"## CR {r['CR']:.2%} (B = {r['B']})", "",
+               report.format_report(r["summary"], r["budgets"], labels=labels, unreachable=r["unreachable"],
+                                    markdown=True), ""]
+    (out / f"{stem}.md").write_text("\n".join(md))
+    say(f"wrote {out / stem}.json and .md")
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     import torch
 
-    from pipelines import evaluate, precompute, report, train
+    from pipelines import evaluate, precompute, train
     from pipelines.config import load_config
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -165,15 +214,21 @@ def main(argv=None) -> int:
         say(f"part train {method}: {result.model_dir} ({spent:.0f} s)")
         return cfg, result, spent
 
-    kv_cfg, kv_result, spent = trained("kvpop", None)
-    cost["kvpop"] = training_cost(kv_cfg, kv_result, spent)
+    if args.kvpop_checkpoint:
+        kv_dir = Path(args.kvpop_checkpoint).resolve()
+        cost["kvpop"] = checkpoint_cost(base, kv_dir)
+        say(f"part train kvpop: reusing {kv_dir} ({cost['kvpop']['steps']} steps trained before)")
+    else:
+        kv_cfg, kv_result, spent = trained("kvpop", None)
+        cost["kvpop"] = training_cost(kv_cfg, kv_result, spent)
+        kv_dir = kv_result.model_dir
     for cr, total in totals.items():
         folders = {}
         for method in METHODS[1:]:
             cfg, result, spent = trained(method, total)
             cost[f"{method}@B{total}"] = training_cost(cfg, result, spent)
             folders[method] = str(result.model_dir)
-        cfg = load_config(args.config, [*args.set, *eval_overrides(args, cr, kv_result.model_dir, folders)])
+        cfg = load_config(args.config, [*args.set, *eval_overrides(args, cr, kv_dir, folders)])
         say(f"part evaluate CR {cr:g}: start")
         t = time.perf_counter()
         result = evaluate.run(cfg, progress=False)
@@ -182,33 +237,9 @@ def main(argv=None) -> int:
         metrics = json.loads((result.output_dir / "metrics.json").read_text())
         results.append({"CR": cr, "B": total, "eval_dir": str(result.output_dir), "mlflow_run": result.run_id,
                         "seconds": result.seconds, **metrics})
+        write(args, name, device.type, base, torch.__version__, cost, seconds, results)  # after every CR: a cut session keeps it
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "baselines_" + ("h200" if "H200" in name else device.type) + (f"_{args.tag}" if args.tag else "")
-    record = {"device": name, "config": Path(args.config).name, "overrides": args.set, "torch": torch.__version__,
-              "seq_len": seq_len, "steps": args.steps, "dms_lr": args.dms_lr, "training": cost, "seconds": seconds,
-              "results": results}
-    (out / f"{stem}.json").write_text(json.dumps(record, indent=1, default=float))
-    md = [f"# KVpop vs trained baselines ({name}, {Path(args.config).name})", "",
-          f"S = {seq_len}; {base.data.eval_sequences} held-out sequences; recall tasks {', '.join(args.tasks)} at "
-          f"contexts {args.contexts}, depths {args.depths}, {args.task_samples} samples per cell (headline: dense >= "
-          f"{args.min_dense}); long generation {args.prompts} prompts x {args.tokens} tokens. Trained baselines: "
-          f"{args.steps} steps each (modest: the public DMS recipe runs ~250). DMS's row sits at the budget of its "
-          f"measured mean retained tokens (its peak in the row's budget column).", "",
-          "## Training cost per method", "",
-          "GPU s = steps x the mean logged step time x GPU workers (0 on CPU); wall s = the train stage in this "
-          "session (about 0 when the run already existed).", "",
-          "| method | policy | mode | steps | tokens | s / step | GPU s | wall s |", "|---|---|---|---|---|---|---|---|",
-          *[f"| {k} | {c['policy']} | {c['mode']} | {c['steps']} | {c['tokens']:,} | {c['mean_step_s']:.3f} | "
-            f"{c['gpu_seconds']:.0f} | {c['wall_seconds']:.0f} |" for k, c in cost.items()], ""]
-    for r in results:
-        labels = {(x["policy"], x["B"]): x["budget"] for x in r["labels"]}
-        md += [f"## CR {r['CR']:.2%} (B = {r['B']})", "",
-               report.format_report(r["summary"], r["budgets"], labels=labels, unreachable=r["unreachable"],
-                                    markdown=True), ""]
-    (out / f"{stem}.md").write_text("\n".join(md))
-    say(f"wrote {out / stem}.json and .md")
+    say("done")
     return 0
 
 

@@ -22,8 +22,9 @@ for part in $parts; do
     # issues 4 and 6: the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
     quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
     # issue 11: every policy at CR 75-96.9 % with intervals, calibrated recall cells, long generation (the quality
-    # preset's scorer: trained here unless the quality part ran first). The graphed paths' CUDA test runs first.
-    eval)       python -m pytest -q -rs tests/test_evaluation.py -k cuda && \
+    # preset's scorer: trained here unless the quality part ran first). The graphed paths' CUDA tests run first; their
+    # result is logged and does not stop the part (a session's GPU minutes are too few to lose to a test's failure).
+    eval)       python -m pytest -q -rs tests/test_evaluation.py -k cuda; \
                 python benchmarks/eval_h200.py --out "$out" ${EVAL_ARGS:-} ;;
     # the tests that only run where CUDA is (skipped in CI): CUDA-graph replay equals eager stepping, compiled paths
     gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py tests/test_dms.py -k "graphed or cuda" ;;
@@ -43,8 +44,9 @@ for part in $parts; do
     learning_curves) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
                   ${CURVES_ARGS:-} ;;
     # issue 13: KVpop (scorer-only, + distill) vs the trained baselines StreamingLLM+ and DMS at CR 87.5 % (100
-    # steps each), dense and streaming too, on the same held-out items, recall cells and generations; ~8 min
-    baselines)  python -m pytest -q -rs tests/test_evaluate_baselines.py -k cuda && \
+    # steps each), dense and streaming too, on the same held-out items, recall cells and generations; ~8 min.
+    # Its CUDA test runs first, logged, not gating.
+    baselines)  python -m pytest -q -rs tests/test_evaluate_baselines.py -k cuda; \
                 python benchmarks/baselines_h200.py --out "$out" ${BASELINES_ARGS:-} ;;
     *)          echo "unknown part $part" ;;
   esac > "$out/$part.log" 2>&1
