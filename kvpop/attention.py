@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -28,6 +29,12 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from kvpop.budget import Budget
 
 BLOCK = 128  # FlexAttention's sparse block size
+# The backend of the calls whose shape changes call by call — a cache's chunks (prefill, a ragged cache's candidates),
+# decoding steps through transformers' growing cache, targets of rows of any length: compiled FlexAttention builds one
+# kernel per shape (seconds each on CUDA; an H200 evaluation once spent its whole session compiling one per decoding
+# step), so they take SDPA over query blocks with an explicit mask — the same retention rule, held to the same
+# reference by the tests. FlexAttention stays where shapes repeat: whole-sequence passes at a fixed S.
+CHUNK_BACKEND = "chunked"
 
 
 @functools.cache
@@ -40,9 +47,19 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+_FLEX_SHAPES: set = set()
+FLEX_SHAPES_WARNING = 32  # distinct compiled shapes in one process past which a caller is compiling per call
+
+
 def flex(query, key, value, **kwargs):
-    """Compiled FlexAttention on CUDA (one compiled callable per process); eager on CPU (small S only)."""
+    """Compiled FlexAttention on CUDA (one compiled callable per process); eager on CPU (small S only). Warns once
+    when a process has compiled more than ``FLEX_SHAPES_WARNING`` shapes (see :data:`CHUNK_BACKEND`)."""
     if query.is_cuda:
+        _FLEX_SHAPES.add((tuple(query.shape), tuple(key.shape)))
+        if len(_FLEX_SHAPES) == FLEX_SHAPES_WARNING + 1:
+            warnings.warn(f"FlexAttention has been compiled for {len(_FLEX_SHAPES)} shapes in this process (one kernel "
+                          f"each, seconds on CUDA): a caller whose shapes change per call should use the "
+                          f"{CHUNK_BACKEND!r} backend", stacklevel=2)
         return _compiled_flex()(query, key, value, **kwargs)
     return flex_attention(query, key, value, **kwargs)
 
@@ -435,10 +452,11 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     kv_len = key.shape[2]
     valid, positions = token_positions(valid_cols, bsz, kv_len, key.device)
     q_pos = positions[:, kv_len - q_len:]
+    backend = "auto" if q_len == kv_len else CHUNK_BACKEND  # decoding through transformers' cache: a new N each step
     if policy.budget is None:  # dense: causal over real tokens
         evict = torch.full((bsz, 1, kv_len), torch.iinfo(torch.long).max // 4, device=key.device)
         return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
-                                   kv_valid=valid[:, None], budget=Budget(0, 1, 0), scale=scale)
+                                   kv_valid=valid[:, None], budget=Budget(0, 1, 0), scale=scale, backend=backend)
     if policy.dynamic:
         raise RuntimeError(f"the {policy.name} policy re-scores the cache every step: run it through the fixed "
                            "cache (model.generate, or kvpop.decode.teacher_forced_logits), not a one-pass forward")
@@ -458,7 +476,7 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
         runtime.collected[module.layer_idx] = ranked
     evict = eviction_positions(ranked.detach().float(), policy.budget, positions=positions[:, None, :])
     return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
-                               kv_valid=valid[:, None], budget=policy.budget, scale=scale)
+                               kv_valid=valid[:, None], budget=policy.budget, scale=scale, backend=backend)
 
 
 def passthrough_mask(*args, attention_mask=None, **kwargs):

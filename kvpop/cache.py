@@ -46,7 +46,7 @@ import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpop.attention import explicit_attention, retention_attention, slot_attention
+from kvpop.attention import CHUNK_BACKEND, explicit_attention, retention_attention, slot_attention
 from kvpop.policies.base import LayerView, Policy
 from kvpop.retention import eviction_positions, ranks_newer_wins, retained
 
@@ -231,7 +231,7 @@ class KVpopLayer(CacheLayerMixin):
         else:
             evict = eviction_positions(cand.prio, self.budget, positions=cand.pos)
             out = retention_attention(query, cand.keys, cand.values, q_pos=new_pos, kv_pos=cand.pos, kv_evict=evict,
-                                      kv_valid=cand.valid, budget=self.budget, scale=scale)
+                                      kv_valid=cand.valid, budget=self.budget, scale=scale, backend=CHUNK_BACKEND)
             keep = cand.valid & retained(last, cand.pos, evict, self.budget)
         self._store(cand, keep, last)
         self.meter.release(cand.keys.nbytes + cand.values.nbytes)

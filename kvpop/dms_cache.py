@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpop.attention import retention_attention, slot_attention
+from kvpop.attention import CHUNK_BACKEND, retention_attention, slot_attention
 from kvpop.cache import LAYER_TYPES, KVpopLayer, _put
 from kvpop.dms import NEVER, decision_logits, retained_counts
 from kvpop.policies.base import LayerView
@@ -157,7 +157,7 @@ class DMSLayer(KVpopLayer):
         cand_k = torch.cat([self.keys, key_new.to(self.keys.dtype)], 2)
         cand_v = torch.cat([self.values, value_new.to(self.values.dtype)], 2)
         out = retention_attention(query, cand_k, cand_v, q_pos=new_pos, kv_pos=cand_pos, kv_evict=evict_pos,
-                                  kv_valid=cand_valid, budget=self.budget, scale=scale)
+                                  kv_valid=cand_valid, budget=self.budget, scale=scale, backend=CHUNK_BACKEND)
         self._record(retained_counts(new_pos[:, None, :], cand_pos, evict_pos, cand_valid), valid)
         # compress: keep what the chunk's last query sees, in the first slots
         last = (self.seen + count - 1)[:, None, None]

@@ -154,10 +154,12 @@ def _positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_targets(model, ids: torch.Tensor, windows: Sequence[int]) -> dict[int, torch.Tensor]:
+def teacher_targets(model, ids: torch.Tensor, windows: Sequence[int], *, backend: str = "auto"
+                    ) -> dict[int, torch.Tensor]:
     """Oracle priorities ``{window: [layers, B, Hkv, S]}``: the dense teacher's future-attention targets of
-    ``ids`` (unpadded rows), one pass for all windows. Works on a plain and on a retrofitted model."""
-    return teacher_pass(model, ids, windows=sorted(set(windows)), top_k=1)["targets"]
+    ``ids`` (unpadded rows), one pass for all windows. Works on a plain and on a retrofitted model. ``backend``:
+    :func:`kvpop.targets.teacher_pass`'s (``"chunked"`` where every call has a new length, see :func:`_row_targets`)."""
+    return teacher_pass(model, ids, windows=sorted(set(windows)), top_k=1, backend=backend)["targets"]
 
 
 @torch.no_grad()
@@ -435,9 +437,11 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
 
 
 def _row_targets(model, rows: Sequence[Sequence[int]], windows) -> dict[int, list[torch.Tensor]]:
-    """Teacher targets of each unpadded row: ``{window: [[layers, 1, Hkv, n_i]]}``."""
+    """Teacher targets of each unpadded row: ``{window: [[layers, 1, Hkv, n_i]]}``. Every row has a length of its own,
+    so not FlexAttention: compiled on CUDA, it builds one kernel per shape (seconds each, per row)."""
     device = _device(model)
-    per_row = [teacher_targets(model, torch.tensor([list(r)], device=device), windows) for r in rows]
+    per_row = [teacher_targets(model, torch.tensor([list(r)], device=device), windows, backend="chunked")
+               for r in rows]
     return {w: [t[w] for t in per_row] for w in windows}
 
 

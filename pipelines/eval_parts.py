@@ -15,6 +15,7 @@ recall tasks (:mod:`pipelines.recall`: ``TaskSpec``, ``generate_samples``, ``sco
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from transformers import AutoTokenizer
 
 import kvpop
 from kvpop import evaluation as runner
+from kvpop.files import atomic_write_text
 from kvpop.pretrained import load_pretrained
 from kvpop.retrofit import runtime_of
 from pipelines import recall
@@ -100,11 +102,32 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
     return "\n".join(lines)
 
 
+class FinishedParts:
+    """The parts an unfinished evaluation has finished: ``<folder>/<part>.json`` (its records and seconds), each written
+    atomically when the part ends. The folder belongs to one evaluation key (the same inputs), so a re-run takes a
+    finished part from here instead of running it again: a run cut off — a GPU session's end, a crash — keeps every
+    part it finished. ``folder=None``: nothing is kept."""
+
+    def __init__(self, folder: Path | None):
+        self.folder = folder
+
+    def get(self, part: str) -> dict | None:
+        path = None if self.folder is None else self.folder / f"{part}.json"
+        return json.loads(path.read_text()) if path is not None and path.is_file() else None
+
+    def put(self, part: str, records: list[dict], seconds: float) -> None:
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.folder / f"{part}.json", json.dumps({"seconds": seconds, "records": records}))
+
+
 def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, progress: bool = True,
-                   runs: list | None = None, metric_start: int | None = None) -> tuple[list[dict], dict]:
+                   runs: list | None = None, metric_start: int | None = None,
+                   finished: FinishedParts = FinishedParts(None), prefix: str = "") -> tuple[list[dict], dict]:
     """All per-item records of the three parts and the seconds each part took. ``inputs``: ``tokenizer``,
     ``sequences``, ``budgets``, ``samples``, ``problems``, ``prompts`` (pipelines.evaluate.plan). ``runs``: the
-    settings (default every ``eval.policies`` × budget); ``metric_start``: count the text metrics from there."""
+    settings (default every ``eval.policies`` × budget); ``metric_start``: count the text metrics from there.
+    ``finished``: parts already run are taken from there (as ``prefix + part``), each part run is put there."""
     tok, ev = inputs["tokenizer"], cfg.eval
     runs = runner.settings(ev.policies, inputs["budgets"]) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
@@ -112,32 +135,35 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     generation = dict(eos_id=tok.eos_token_id, pad_id=pad, batch_size=ev.generation_batch_size, reference=reference)
     records, seconds = [], {}
 
-    def timed(part, total, fn):
+    def part(name, total, fn):
+        done = finished.get(prefix + name)
+        if done is not None:
+            seconds[name] = done["seconds"]
+            return done["records"]
         t0 = time.perf_counter()
-        with tqdm(total=total, desc=part, unit="item", disable=not progress) as bar:
+        with tqdm(total=total, desc=prefix + name, unit="item", disable=not progress) as bar:
             out = fn(bar.update)
-        seconds[part] = time.perf_counter() - t0
+        seconds[name] = time.perf_counter() - t0
+        finished.put(prefix + name, out, seconds[name])
         return out
 
     sequences = inputs["sequences"]
     ids = [torch.tensor(s["input_ids"]) for s in sequences]
-    found = timed("text", len(ids) * len(runs), lambda tick: runner.teacher_forced_items(
-        model, ids, runs, reference=reference, batch_size=ev.batch_size, dynamic_limit=ev.dynamic_sequences,
-        metric_start=metric_start, progress=tick))
-    records += [{"part": "text", **r, "item": sequences[r["item"]]["id"]} for r in found]
+    records += part("text", len(ids) * len(runs), lambda tick: [
+        {"part": "text", **r, "item": sequences[r["item"]]["id"]} for r in runner.teacher_forced_items(
+            model, ids, runs, reference=reference, batch_size=ev.batch_size, dynamic_limit=ev.dynamic_sequences,
+            metric_start=metric_start, progress=tick)])
     samples = inputs["samples"]
     if samples:
-        found = timed("recall", len(samples) * others, lambda tick: runner.generation_items(
+        records += part("recall", len(samples) * others, lambda tick: recall_records(runner.generation_items(
             model, [s.prompt_ids for s in samples], runs, max_new_tokens=ev.max_new_tokens,
             forced=[s.answer_ids for s in samples], progress=tick, **generation,
             score=lambda logits, i: recall.gold_logprob_and_rank(  # the rows that predict the answer
-                logits, samples[i], start=len(samples[i].prompt_ids) - 1)))
-        records += recall_records(found, samples, tok, ev.task_min_dense)
+                logits, samples[i], start=len(samples[i].prompt_ids) - 1)), samples, tok, ev.task_min_dense))
     if inputs["problems"]:
-        found = timed("generation", len(inputs["prompts"]) * others, lambda tick: runner.generation_items(
-            model, inputs["prompts"], runs, max_new_tokens=ev.generation_tokens, forced="dense", progress=tick,
-            **generation))
-        records += generation_records(found, inputs["problems"], tok)
+        records += part("generation", len(inputs["prompts"]) * others, lambda tick: generation_records(
+            runner.generation_items(model, inputs["prompts"], runs, max_new_tokens=ev.generation_tokens,
+                                    forced="dense", progress=tick, **generation), inputs["problems"], tok))
     return records, seconds
 
 
@@ -160,7 +186,7 @@ def baseline_path(name: str, folder: str) -> Path:
 
 
 def baseline_items(cfg: PipelineConfig, inputs: dict, name: str, model, reference, occupancy: dict | None = None, *,
-                   progress: bool = True) -> tuple[list[dict], dict]:
+                   progress: bool = True, finished: FinishedParts = FinishedParts(None)) -> tuple[list[dict], dict]:
     """A trained baseline's records on the same items as the main model, as rows named ``name``: under its own
     policy at every budget, or — DMS, ragged — once at the budget of its mean memory (``occupancy`` from
     :func:`kvpop.evaluation.dms_occupancy`, whose ``B`` also sets where the text metrics start). Dense is the main
@@ -170,7 +196,8 @@ def baseline_items(cfg: PipelineConfig, inputs: dict, name: str, model, referenc
         runs, start = [runner.Setting(policy.name, policy.budget)], occupancy["B"]
     else:
         runs, start = [runner.Setting(policy.name, b) for b in inputs["budgets"]], None
-    found, seconds = evaluate_items(cfg, inputs, model, reference, progress=progress, runs=runs, metric_start=start)
+    found, seconds = evaluate_items(cfg, inputs, model, reference, progress=progress, runs=runs, metric_start=start,
+                                    finished=finished, prefix=f"{name}.")
     records = []
     for r in found:
         if r["policy"] == "dense":

@@ -9,6 +9,8 @@ the budgets), runs them through :mod:`kvpop.evaluation`, bootstraps the per-item
                           metrics.json       means, 95 % intervals, paired differences, gap closed, recall cells
                           report.txt         the printed report; figures *.png
                           complete.json      written last (atomically): the directory is complete; the MLflow run id
+    $KVPOP_HOME/eval/<key>.parts/<part>.json     each part (text, recall, generation; a baseline's as <name>.<part>)
+                                                 as it finishes: a re-run of an unfinished key skips those parts
 
 ``<key>`` hashes the model's identity (a digest of every file of the checkpoint folder), the held-out token ids, the
 policies, the budgets, the recall samples' token ids and the generation prompts and length. A re-run with the same
@@ -29,6 +31,7 @@ per (layer, head) mean and max and its peak.
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,10 +167,11 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
         base = p["budgets"][0]
         p["budgets"] = sorted([*p["budgets"], *(Budget.from_total(t, sink=base.sink, window=base.window)
                                                 for t in extra)], key=lambda b: -b.total)
-    items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress)
+    finished = eval_parts.FinishedParts(parts_dir(out))
+    items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress, finished=finished)
     for name, baseline in baselines.items():
         found, spent = eval_parts.baseline_items(cfg, p, name, baseline, reference or model,
-                                                 p["occupancy"].get(name), progress=progress)
+                                                 p["occupancy"].get(name), progress=progress, finished=finished)
         items += found
         seconds.update(spent)
     budgets = [{"B": b.total, "CR": 1 - b.total / p["seq_len"], "budget": str(b)} for b in p["budgets"]]
@@ -188,8 +192,15 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     seconds["total"] = time.perf_counter() - t0
     run_id = _log(cfg, out, p, summary, None, seconds)
     atomic_write_text(marker, json.dumps({"key": p["key"], "run_id": run_id, "seconds": seconds}, indent=1))
+    shutil.rmtree(parts_dir(out), ignore_errors=True)  # predictions.jsonl holds every record now
     records.commit(cfg, "evaluate", {"output_dir": str(out), "mlflow_run_id": run_id})  # the hand-over, last
     return EvalResult(out, summary, text, run_id, seconds, False)
+
+
+def parts_dir(out: Path) -> Path:
+    """``<key>.parts`` beside the result directory: the parts an unfinished evaluation of that key has finished
+    (:class:`pipelines.eval_parts.FinishedParts`); removed once the directory is complete."""
+    return out.with_name(out.name + ".parts")
 
 
 def _log(cfg: PipelineConfig, out: Path, p: dict, summary: dict, run_id: str | None, seconds: dict | None = None):

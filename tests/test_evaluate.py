@@ -134,6 +134,40 @@ def test_an_interrupted_result_resumes_its_run_and_other_inputs_get_another_dire
 
 
 @pytest.mark.pretrained
+def test_a_run_cut_off_keeps_the_parts_it_finished(setup, monkeypatch):
+    """Killed during recall, an evaluation keeps its held-out text part (``<key>.parts``); the re-run takes it
+    instead of teacher-forcing again, finishes, and removes the parts folder."""
+    from kvpop import evaluation as runner
+
+    cfg, _ = setup
+    cfg = config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "generation_prompts": 0}})
+    real_generation, real_forcing = runner.generation_items, runner.teacher_forced_items
+
+    def cut_off(*args, **kwargs):
+        raise KeyboardInterrupt  # the session ends during recall
+
+    monkeypatch.setattr(runner, "generation_items", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        E.run(cfg, progress=False)
+    out = cfg.home_dir() / "eval" / E.plan(cfg)["key"]
+    assert not (out / "complete.json").exists()
+    kept = json.loads((E.parts_dir(out) / "text.json").read_text())
+    assert not (E.parts_dir(out) / "recall.json").exists() and len(kept["records"]) == 5 * 5 * 2
+
+    def no_forcing(*args, **kwargs):
+        raise AssertionError("the finished text part ran again")
+
+    monkeypatch.setattr(runner, "generation_items", real_generation)
+    monkeypatch.setattr(runner, "teacher_forced_items", no_forcing)
+    result = E.run(cfg, progress=False)
+    assert (out / "complete.json").is_file() and not E.parts_dir(out).exists()
+    records = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
+    assert [r for r in records if r["part"] == "text"] == kept["records"]
+    assert {r["part"] for r in records} == {"text", "recall"} and result.seconds["text"] == kept["seconds"]
+    monkeypatch.setattr(runner, "teacher_forced_items", real_forcing)
+
+
+@pytest.mark.pretrained
 def test_bad_eval_inputs_are_clear_errors(setup):
     cfg, checkpoint = setup
     too_long = config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "task_contexts": [4096]}})

@@ -233,3 +233,36 @@ def test_graphed_paths_equal_the_eager_ones(name, device):
                 model, EV.oracle_table([targets[i]], len(row) + 6)) if name == "oracle" else contextlib.nullcontext()):
             ref = model.generate(torch.tensor([row], device=device), max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert ref[0, len(row):].tolist() == batched[i], (name, i)
+
+
+def test_no_flexattention_kernel_per_prompt_or_step(model, monkeypatch):
+    """Compiled FlexAttention builds one kernel per shape (seconds each on CUDA), so the evaluation may call it only
+    where shapes repeat: with every "auto" backend resolved to flex (as on CUDA), generation over prompts of five
+    lengths under every policy calls it for whole-sequence passes only (dense's prefill: one shape per batch), never
+    for a decoding step, a cache's chunk or a row's oracle targets (an H200 session once compiled one per step)."""
+    import kvpop.attention as attention
+    import kvpop.targets as targets
+
+    shapes = []
+    eager = attention.flex
+
+    def recorded(query, key, value, **kwargs):
+        shapes.append((tuple(query.shape), tuple(key.shape)))
+        return eager(query, key, value, **kwargs)
+
+    original = attention.retention_attention
+
+    def as_on_cuda(*args, backend="auto", **kwargs):
+        return original(*args, backend="flex" if backend == "auto" else backend, **kwargs)
+
+    monkeypatch.setattr(attention, "flex", recorded)
+    monkeypatch.setattr(targets, "flex", recorded)
+    monkeypatch.setattr(targets, "_resolve", lambda backend, x: "flex" if backend == "auto" else backend)
+    for module in (attention, kvpop.cache, kvpop.dms_cache):
+        monkeypatch.setattr(module, "retention_attention", as_on_cuda)
+    rows = prompts(lengths=(9, 14, 20, 23, 31))
+    runs = [setting(name) for name in ALL]
+    EV.generation_items(model, rows, runs, max_new_tokens=6, eos_id=None, batch_size=3)
+    assert shapes, "the patch no longer reaches FlexAttention: the test checks nothing"
+    assert all(q[2] == k[2] for q, k in shapes), sorted(set(shapes))
+    assert len(set(shapes)) <= 2, sorted(set(shapes))  # two batches, one dense prefill each
