@@ -39,14 +39,18 @@ the last evaluation and save to fit.
 Writes ``<out>/learning_curves_<tag>.json`` (+ ``.md``, ``.png``) at every checkpoint.
 
     python benchmarks/learning_curves.py --train-sequences 5120 --save-state /tmp/curves_state \\
-        --out benchmarks/results                                             # H200 session 1: S = 4096, to 16M tokens
-    python benchmarks/learning_curves.py --resume /tmp/curves_state --checkpoints 32e6 64e6 \\
-        --out benchmarks/results                                             # a later session: continues to 64M
-    python benchmarks/learning_curves.py --plan                              # the cost of each scale, nothing run
-    python benchmarks/learning_curves.py --device cpu --seq-len 128 --batch 1 --train-sequences 16 \\
-        --eval-sequences 4 --checkpoints 256 512 --eval-crs 0.5 --topk 32 --window 16 --heuristics \\
-        --recall-contexts 160 --recall-depths 0.2 --recall-samples 2 --recall-min-dense 0 \\
-        --save-state /tmp/lc_state --tag cpu-tiny --out /tmp/lc                 # CPU proof (then --resume ... 1024)
+        --out benchmarks/results                          # H200 session 1: S = 4096, to 16M tokens
+    python benchmarks/learning_curves.py --train-sequences 5120 --resume /tmp/curves_state \\
+        --checkpoints 32e6 64e6 --out benchmarks/results  # a later session: continues the study to 64M
+    python benchmarks/learning_curves.py --plan           # the stored path's cost of each scale, nothing run
+
+CPU proof (SmolLM2, S = 128), then the same options continue it:
+
+    python benchmarks/learning_curves.py --device cpu --seq-len 128 --batch 2 --train-sequences 16 \\
+        --eval-sequences 4 --eval-batch 4 --eval-crs 0.5 --topk 32 --window 16 --heuristics tova h2o \\
+        --dynamic-sequences 2 --recall-contexts 192 --recall-depths 0.2 --recall-samples 4 --tag cpu-tiny \\
+        --out /tmp/lc --checkpoints 512 1024 --save-state /tmp/lc_state
+    python benchmarks/learning_curves.py <the same options> --checkpoints 2048 --resume /tmp/lc_state
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ import platform
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -328,7 +333,7 @@ class Trainer:
 
 
 # ------------------------------------------------------------------------------------------------ saved state
-def save_state(folder: Path, trainer: Trainer, *, base: Path, base_sha256: str, study: dict, result: dict) -> None:
+def save_state(folder: Path, trainer: Trainer, study: Study, result: dict) -> None:
     """``folder/step-<n>/`` (scorers + optimizer shards), then ``folder/state.json`` naming it, atomically; older
     step folders are removed only after that."""
     import kvpop
@@ -338,10 +343,10 @@ def save_state(folder: Path, trainer: Trainer, *, base: Path, base_sha256: str, 
     name = f"step-{trainer.step:07d}"
     target = folder / name
     shutil.rmtree(target, ignore_errors=True)  # a save of this step that was cut off
-    kvpop.save_retrofitted(trainer.model, target, base=base, base_sha256=base_sha256)
+    kvpop.save_retrofitted(trainer.model, target, base=study.base, base_sha256=study.base_sha256)
     shards = write_shards(target, "optimizer", tensors)
     files = {p.name: sha256_file(p) for p in sorted(target.iterdir())}
-    manifest = {"version": STATE_VERSION, "study": study, "model": name, "files": files, "shards": shards,
+    manifest = {"version": STATE_VERSION, "study": study.settings, "model": name, "files": files, "shards": shards,
                 "progress": progress, "result": result}
     atomic_write_text(folder / STATE_FILE, json.dumps(manifest))
     for old in folder.glob("step-*"):
@@ -393,8 +398,17 @@ def check_resume(folder: Path, saved: dict, study: dict) -> None:
     """One line naming every study setting that differs from the saved study's."""
     from pipelines.config import ConfigError
 
-    differ = [f"{k} {study.get(k)!r} (saved {saved.get(k)!r})" for k in sorted(set(saved) | set(study))
-              if saved.get(k) != study.get(k)]
+    def flag(key):
+        return {"base_sha256": "base weights sha256", "dtype": "--dtype resolves to"}.get(
+            key, f"--{key.replace('_', '-')}")
+
+    def text(key, value):
+        if key == "base_sha256":
+            return str(value)[:12] + "…"
+        return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+    differ = [f"{flag(k)} {text(k, study.get(k))} (saved {text(k, saved.get(k))})"
+              for k in sorted(set(saved) | set(study)) if saved.get(k) != study.get(k)]
     if differ:
         raise ConfigError(f"--resume {folder}: this run's study differs from the saved one: {'; '.join(differ)}. "
                           f"Resume with the saved settings, or start a new --save-state folder")
@@ -490,23 +504,36 @@ def check_args(args) -> None:
         raise ConfigError("--train-sequences, --recall-samples and --dynamic-sequences must be >= 0")
 
 
-def run(args) -> dict:
-    """Train (or continue) the study, evaluating and saving at every checkpoint; returns the result."""
-    import torch
+@dataclass
+class Study:
+    """What a run is, resolved and checked before the model loads: the pipeline config (data and eval sections), the
+    base folder and its weights' digest, the settings a resume must match, the saved state if resuming, the
+    checkpoints still ahead and the step that ends this run, the recall samples."""
 
-    import kvpop
-    from kvpop.evaluation import Setting
+    cfg: object
+    base: Path
+    base_sha256: str
+    settings: dict
+    resume: Path | None
+    manifest: dict | None
+    tokens_per_step: int
+    seen: int
+    checkpoints: list[int]
+    total_steps: int
+    tokenizer: object
+    samples: list
+
+
+def open_study(args) -> Study:
+    """Resolve and check the run (bad input: :class:`ConfigError`, one line): a resume is refused here when the saved
+    study's settings or base weights differ, or when no checkpoint lies beyond the tokens it has seen."""
     from kvpop.files import weights_digest
-    from kvpop.pretrained import load_pretrained, read_model_config
+    from kvpop.pretrained import read_model_config
     from pipelines.config import ConfigError
     from pipelines.data import check_inputs, load_tokenizer
     from pipelines.eval_parts import recall_samples
 
-    started = time.perf_counter()
     check_args(args)
-    device = torch.device(args.device)
-    if device.type == "cpu":  # spinning intra-op threads on a busy small box cost far more than they give
-        torch.set_num_threads(1)
     resume = Path(args.resume) if args.resume else None
     manifest = read_state(resume) if resume else None
     tokens_per_step = args.batch * args.seq_len
@@ -521,26 +548,43 @@ def run(args) -> dict:
     check_inputs(cfg)
     base = cfg.model.resolved_path()
     base_sha256 = weights_digest(base)
-    study = study_settings(args, base_sha256, pool)
+    settings = study_settings(args, base_sha256, pool)
     if manifest:
-        check_resume(resume, manifest["study"], study)
+        check_resume(resume, manifest["study"], settings)
     tokenizer = load_tokenizer(cfg)
     try:
         samples = recall_samples(cfg, tokenizer, read_model_config(base).get("max_position_embeddings"))
     except ValueError as err:
         raise ConfigError(f"--recall-*: {err}") from None
+    return Study(cfg, base, base_sha256, settings, resume, manifest, tokens_per_step, seen, checkpoints, total_steps,
+                 tokenizer, samples)
 
-    model, _ = load_pretrained(base, dtype=getattr(torch, resolved_dtype(args)), device=device)
+
+def run(args) -> dict:
+    """Train (or continue) the study, evaluating and saving at every checkpoint; returns the result."""
+    import torch
+
+    import kvpop
+    from kvpop.evaluation import Setting
+    from kvpop.pretrained import load_pretrained
+
+    started = time.perf_counter()
+    study = open_study(args)
+    cfg, manifest, tokens_per_step = study.cfg, study.manifest, study.tokens_per_step
+    device = torch.device(args.device)
+    if device.type == "cpu":  # spinning intra-op threads on a busy small box cost far more than they give
+        torch.set_num_threads(1)
+    model, _ = load_pretrained(study.base, dtype=getattr(torch, resolved_dtype(args)), device=device)
     train_budget, eval_budgets, unreachable = budgets_for(args)
     t0 = time.perf_counter()
-    train_ids, heldout = load_data(cfg, tokenizer)
+    train_ids, heldout = load_data(cfg, study.tokenizer)
     data_s = time.perf_counter() - t0
     eval_ids = torch.tensor([r["input_ids"] for r in heldout], dtype=torch.long, device=device)
-    inputs = {"tokenizer": tokenizer, "sequences": heldout, "budgets": eval_budgets, "problems": [], "prompts": [],
-              "samples": samples}
+    inputs = {"tokenizer": study.tokenizer, "sequences": heldout, "budgets": eval_budgets, "samples": study.samples,
+              "problems": [], "prompts": []}
     budgets = [{"B": b.total, "CR": 1 - b.total / args.seq_len, "budget": str(b)} for b in eval_budgets]
     print(f"[curves] {len(train_ids)} training / {len(heldout)} held-out sequences of {args.seq_len} ({data_s:.0f}s), "
-          f"{len(inputs['samples'])} recall samples; training to step {total_steps} ({tokens_per_step} tokens each)",
+          f"{len(study.samples)} recall samples; training to step {study.total_steps} ({tokens_per_step} tokens each)",
           flush=True)
 
     torch.manual_seed(args.seed)
@@ -548,10 +592,10 @@ def run(args) -> dict:
                    scorer_options=json.loads(args.scorer_options))
     trainer = Trainer(model, args, len(train_ids), device)
     if manifest:  # the scorers, the optimizer, the data order, and every point and reference so far
-        kvpop.load_scorers(model, resume / manifest["model"])
-        trainer.load(manifest["progress"], load_optimizer_tensors(resume, manifest))
+        kvpop.load_scorers(model, study.resume / manifest["model"])
+        trainer.load(manifest["progress"], load_optimizer_tensors(study.resume, manifest))
         result = manifest["result"]
-        print(f"[curves] resumed {resume} at step {trainer.step} ({tokens_label(seen)} tokens, "
+        print(f"[curves] resumed {study.resume} at step {trainer.step} ({tokens_label(study.seen)} tokens, "
               f"{len(result['points'])} points)", flush=True)
     else:
         t0 = time.perf_counter()
@@ -561,11 +605,11 @@ def run(args) -> dict:
                                  "summary": summarize_records(refs, budgets, args.resamples, args.seed)},
                   "points": [], "meta": {"sessions": []}}
         print(f"[curves] references: {result['references']['seconds']}s", flush=True)
-    result["meta"].update(args=vars(args), study=study, train_budget=str(train_budget),
+    result["meta"].update(args=vars(args), study=study.settings, train_budget=str(train_budget),
                           eval_budgets=[str(b) for b in eval_budgets], budgets=budgets, unreachable=unreachable,
                           tokens_per_step=tokens_per_step, train_sequences=len(train_ids),
-                          eval_sequences=len(heldout), recall_samples=len(inputs["samples"]),
-                          plan=plan({r["tokens"] for r in result["meta"].get("plan", [])} | set(checkpoints),
+                          eval_sequences=len(heldout), recall_samples=len(study.samples),
+                          plan=plan({r["tokens"] for r in result["meta"].get("plan", [])} | set(study.checkpoints),
                                     args.seq_len))
     session = {"device": _device_name(device), "torch": torch.__version__, "args": vars(args),
                "data_s": round(data_s, 1), "first_step": trainer.step, "train_s_before": trainer.train_s,
@@ -591,21 +635,21 @@ def run(args) -> dict:
         print(f"[curves] {describe_point(point, train_budget)} (eval {point['eval_s']}s)", flush=True)
         update_session(session, trainer, tokens_per_step)
         if args.save_state:
-            save_state(Path(args.save_state), trainer, base=base, base_sha256=base_sha256, study=study, result=result)
+            save_state(Path(args.save_state), trainer, study, result)
         write_outputs(result, Path(args.out), args.tag)
         last_checkpoint_s = time.perf_counter() - t_eval
         model.train()
 
     if not manifest:
         checkpoint()  # the untrained scorer: the curve's first point
-    pending = list(checkpoints)
+    pending = list(study.checkpoints)
     model.train()
-    while trainer.step < total_steps:
+    while trainer.step < study.total_steps:
         trainer.train_step(train_ids)
         if trainer.step % 50 == 0:
             update_session(session, trainer, tokens_per_step)
             recent = trainer.losses[-50:], trainer.accs[-50:]
-            print(f"[curves] step {trainer.step}/{total_steps} loss {sum(recent[0]) / 50:.4f} train-acc "
+            print(f"[curves] step {trainer.step}/{study.total_steps} loss {sum(recent[0]) / 50:.4f} train-acc "
                   f"{sum(recent[1]) / 50:.4f} {session['train_tokens_per_s']} tok/s", flush=True)
         if pending and trainer.step * tokens_per_step >= pending[0]:
             pending = [c for c in pending if c > trainer.step * tokens_per_step]
@@ -821,7 +865,7 @@ def plot(result: dict, path: Path) -> None:
     for ax, metric, title in panels:
         for i, b in enumerate(meta["budgets"]):
             curve(ax, metric, b["B"], f"C{i}", f"KVpop B={b['B']}")
-            for policy, style in (("streaming", "--"), ("tova", "-."), ("oracle", ":")):
+            for policy, style in (("streaming", "--"), ("tova", "-."), ("h2o", (0, (5, 1, 1, 1))), ("oracle", ":")):
                 level(ax, metric, b["B"], f"C{i}", policy, style)
         ax.set_title(title, fontsize=9)
     ax = axes[1][1]
@@ -837,7 +881,7 @@ def plot(result: dict, path: Path) -> None:
             curve(ax, "recall_gold_logprob", b["B"], f"C{i}", f"KVpop B={b['B']}")
             for policy, style in (("streaming", "--"), ("oracle", ":")):
                 level(ax, "recall_gold_logprob", b["B"], f"C{i}", policy, style)
-        level(ax, "recall_gold_logprob", None, "0.3", "dense", "-")
+        level(ax, "recall_gold_logprob", meta["budgets"][0]["B"], "0.3", "dense", "-")  # dense: every budget's row
         ax.set_title("recall: gold answer log-probability (headline cells)", fontsize=9)
     else:
         ax.text(0.5, 0.5, "no headline recall cells", ha="center", va="center", transform=ax.transAxes)

@@ -93,9 +93,9 @@ def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
         return err
 
     later = str(9 * TOKENS_PER_STEP)
-    assert "seq_len 48 (saved 64)" in fails(saved, "--seq-len", "48", "--checkpoints", later)
+    assert "--seq-len 48 (saved 64)" in fails(saved, "--seq-len", "48", "--checkpoints", later)
     message = fails(saved, "--scorer", "mlp", "--loss-options", "{}", "--checkpoints", later)
-    assert "scorer 'mlp' (saved 'mlstm')" in message and "loss_options {} (saved {'random_pairs': 2})" in message
+    assert "--scorer mlp (saved mlstm)" in message and '--loss-options {} (saved {"random_pairs": 2})' in message
     assert "training tokens already seen" in fails(saved, "--checkpoints", str(5 * TOKENS_PER_STEP))
     assert "no state.json" in fails(tmp_path, "--checkpoints", later)
     broken = tmp_path / "broken"
