@@ -138,7 +138,8 @@ def parse_args(argv=None):
     p.add_argument("--recall-batch", type=int, default=16, help="recall prompts per generation batch")
     p.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples (fixed seed)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="auto", help="base model dtype: auto (bf16 on CUDA, fp32 on CPU) | float32")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="base model dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--time-budget-s", type=float, default=0, help="wall-clock seconds for the whole run: training "
                    "stops in time for the last evaluation and save (0: no limit)")
     p.add_argument("--save-state", metavar="DIR", default="", help="save the study here at every checkpoint and at "
@@ -346,8 +347,8 @@ def save_state(folder: Path, trainer: Trainer, study: Study, result: dict) -> No
     kvpop.save_retrofitted(trainer.model, target, base=study.base, base_sha256=study.base_sha256)
     shards = write_shards(target, "optimizer", tensors)
     files = {p.name: sha256_file(p) for p in sorted(target.iterdir())}
-    manifest = {"version": STATE_VERSION, "study": study.settings, "model": name, "files": files, "shards": shards,
-                "progress": progress, "result": result}
+    manifest = {"version": STATE_VERSION, "study": study.settings, "tokens": trainer.step * study.tokens_per_step,
+                "model": name, "files": files, "shards": shards, "progress": progress, "result": result}
     atomic_write_text(folder / STATE_FILE, json.dumps(manifest))
     for old in folder.glob("step-*"):
         if old.name != name:
