@@ -40,9 +40,14 @@ for part in $parts; do
     # issue 14: largest batch that fits and its tokens/s, dense at its best vs KVpop B = 2048 / 1024, 8k-128k
     capacity)   python benchmarks/capacity.py --preset h200 --out "$out/capacity_h200.json" ${CAPACITY_ARGS:-} ;;
     # issue 12: scorer-only learning curves, online targets (no precompute), one run evaluated at 0.25M..16M tokens,
-    # S = 4096, held-out diagnostics + KL vs streaming/oracle at CR 87.5 / 93.75 %; stops training at the time budget
-    learning_curves) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
-                  ${CURVES_ARGS:-} ;;
+    # S = 4096, CR 87.5 / 93.75 %: held-out diagnostics, KL / top-1 with intervals and paired differences vs streaming,
+    # TOVA, H2O and the oracle, recall (niah_single at 2k); ~10 min. The study is saved in $out/learning_curves_state
+    # (state.json + step-*/ with 3 files, ~23 MB, each < 16 MiB); a later session continues it from a copy of that
+    # folder: CURVES_RESUME=<copy> CURVES_ARGS="--checkpoints 32e6 64e6" (~14 min). Training stops in time for the
+    # last evaluation and save to fit CURVES_BUDGET_S; the saved state then continues from there.
+    learning_curves) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-900}" \
+                  --train-sequences 5120 --save-state "$out/learning_curves_state" \
+                  ${CURVES_RESUME:+--resume "$CURVES_RESUME"} ${CURVES_ARGS:-} ;;
     # issue 13: KVpop (scorer-only, + distill) vs the trained baselines StreamingLLM+ and DMS at CR 87.5 % (100
     # steps each), dense and streaming too, on the same held-out items, recall cells and generations; ~8 min.
     # Its CUDA test runs first, logged, not gating.

@@ -1,36 +1,68 @@
-"""Learning curves of scorer-only KVpop training against training tokens (issue 12), on one GPU without Ray.
+"""Learning curves of scorer-only KVpop training against training tokens (issue 12): one GPU, no Ray, and a study that
+continues across GPU sessions.
 
-Cheapest design that reaches tens of millions of tokens inside a 30-minute GPU session:
+**Training.** Online targets (:mod:`kvpop.online`): in scorer-only mode the frozen base *is* the teacher, so every
+step runs one dense pass that yields the targets (forward + transposed target pass) and the keys / values the scorers
+read (``--features dense``; ``student`` adds a sparse forward for the exact inference inputs). No precompute stage, no
+Parquet (the stored path's write, 36k tokens/s, was its bottleneck). One run, constant learning rate after warm-up,
+evaluated at log-spaced token counts (``--checkpoints``): "anytime" points, not runs tuned to their length. Batches of
+``--batch`` sequences come from a pool of ``--train-sequences`` packed sequences (default: as many as the last
+checkpoint needs), each used once per epoch in a fresh seeded order.
 
-* **Online targets** (:mod:`kvpop.online`): in scorer-only mode the frozen base *is* the teacher, so every step runs
-  one dense pass that yields the targets (``teacher_pass``: forward + transposed target pass) and the keys/values
-  the scorers read (``--features dense``; ``student`` adds a sparse forward for the exact inference inputs). No
-  precompute stage, no Parquet: the write (36k tokens/s) was the bottleneck of the stored path.
-* **One run, many points**: a constant learning rate after warm-up, and the held-out evaluation at log-spaced token
-  counts (``--checkpoints``) of that one run, instead of one run per scale (0.5 + 2 + 4 + 16M = 22.5M tokens for
-  four separate runs vs 16M here). The points are "anytime" checkpoints, not runs tuned to their length.
-* A wall-clock guard (``--time-budget-s``): training stops before the budget is spent, evaluates, and writes.
+**At every checkpoint**, on held-out sequences from documents training never sees, through the evaluation stage's own
+code (:func:`pipelines.eval_parts.evaluate_items`; statistics :func:`pipelines.report.summarize`, i.e.
+:mod:`pipelines.stats`):
 
-Held-out metrics per checkpoint, on sequences from documents training never sees: ``kvpop.diagnostics``
-(balanced accuracy, AUC and raw agreement of the keep/evict decisions next to newest-wins / oldest-wins, kept-set
-overlap with the oracle, Spearman) at the training budget and the evaluation budgets, and teacher-forced KL / top-1
-against dense (``kvpop.metrics``) at the evaluation budgets, with streaming and the oracle measured once as the floor
-and the ceiling. Writes ``<out>/learning_curves_<tag>.json`` + ``.md`` + ``.png``.
+* text: per held-out sequence KL(dense ‖ policy) and top-1 agreement over positions >= B, for kvpop at each
+  evaluation budget. Streaming, the oracle and ``--heuristics`` (TOVA / H2O: token by token through the fixed cache,
+  graphed on CUDA, on the first ``--dynamic-sequences``) do not depend on the scorer: measured once, as references;
+* recall (``--recall-samples`` > 0): the recall tasks' greedy exact match and the gold answer's log-probability;
+  dense and the references once, kvpop at every checkpoint; headline cells: dense >= ``--recall-min-dense``;
+* per point and budget: the mean with its 95 % bootstrap interval over items, the paired differences kvpop − streaming
+  and kvpop − best heuristic (best of streaming / TOVA / H2O by point estimate, per metric), and the fraction of the
+  streaming → oracle gap closed (a paired ratio). The markdown says "above" / "below" only where the paired interval
+  excludes 0, else "not resolved". The JSON keeps every per-item record;
+* the keep/evict diagnostics of :mod:`kvpop.diagnostics` at the training and evaluation budgets.
 
-    python benchmarks/learning_curves.py --out benchmarks/results            # the H200 run (S = 4096, to 16M tokens)
-    python benchmarks/learning_curves.py --plan                              # the cost of each scale, nothing run
-    python benchmarks/learning_curves.py --device cpu --seq-len 128 --batch 1 --eval-sequences 2 \\
-        --checkpoints 256 512 1024 --eval-crs 0.5 --topk 32 --window 16 --tag cpu-tiny --out /tmp/lc   # CPU proof
+**A study across sessions** (a GPU session: 30 minutes, a wiped disk, only files <= 16 MiB come back).
+``--save-state DIR`` writes, at every checkpoint and at the end, ``DIR/step-<n>/`` — the scorers as
+:func:`kvpop.save_retrofitted` writes them without the base (so it also serves as ``eval.checkpoint``) and the AdamW
+moments in fp32 safetensors shards of at most 15 MiB — and then ``DIR/state.json``, atomically and last: the step, the
+data order's generator and the rest of its epoch, the loss's generator, the learning-rate schedule, the study's
+settings (:data:`STUDY_ARGS`, :data:`EVAL_ARGS`), the base weights' digest, the sha256 of each file, and every point
+and reference so far. A save cut off midway leaves the previous state whole. ``--resume DIR`` continues exactly there
+(the batches it would have drawn next: N + M steps resumed give the weights of one run of N + M steps) and refuses, in
+one line (exit code 2), a run whose study settings or base weights differ; it reuses the references, its checkpoints
+continue the token axis, and its outputs hold every earlier point. ``--time-budget-s`` stops training early enough for
+the last evaluation and save to fit.
+
+Writes ``<out>/learning_curves_<tag>.json`` (+ ``.md``, ``.png``) at every checkpoint.
+
+    python benchmarks/learning_curves.py --train-sequences 5120 --save-state /tmp/curves_state \\
+        --out benchmarks/results                          # H200 session 1: S = 4096, to 16M tokens
+    python benchmarks/learning_curves.py --train-sequences 5120 --resume /tmp/curves_state \\
+        --checkpoints 32e6 64e6 --out benchmarks/results  # a later session: continues the study to 64M
+    python benchmarks/learning_curves.py --plan           # the stored path's cost of each scale, nothing run
+
+CPU proof (SmolLM2, S = 128), then the same options continue it:
+
+    python benchmarks/learning_curves.py --device cpu --seq-len 128 --batch 2 --train-sequences 16 \\
+        --eval-sequences 4 --eval-batch 4 --eval-crs 0.5 --topk 32 --window 16 --heuristics tova h2o \\
+        --dynamic-sequences 2 --recall-contexts 192 --recall-depths 0.2 --recall-samples 4 --tag cpu-tiny \\
+        --out /tmp/lc --checkpoints 512 1024 --save-state /tmp/lc_state
+    python benchmarks/learning_curves.py <the same options> --checkpoints 2048 --resume /tmp/lc_state
 """
 from __future__ import annotations
 
-import argparse
+import base64
 import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,9 +75,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PRECOMPUTE_WRITTEN_TPS = 36_000
 STORED_TRAIN_TPS = 40_000
 
+# What a resumed run must share with the saved study, besides the base weights (their digest) and the resolved dtype
+# and training pool: what the scorer is trained on and how, and what the curve's points are measured on.
+STUDY_ARGS = ("source", "seq_len", "sink", "window", "topk", "train_topks", "scorer", "scorer_options",
+              "loss_options", "recency", "features", "lr", "warmup", "batch", "seed")
+EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "heuristics", "dynamic_sequences", "recall_tasks",
+             "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens", "resamples")
+# The curves' metrics (pipelines.report names), their labels and digits (differences get one more).
+TEXT_METRICS = [("kl", "KL", 4), ("top1_agreement", "top-1", 4)]
+RECALL_METRICS = [("recall_exact", "exact", 3), ("recall_gold_logprob", "gold logp", 2)]
+STATE_VERSION = 1
+STATE_FILE = "state.json"
+SHARD_BYTES = 15 * 2 ** 20  # each returned file must stay under 16 MiB
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from jobs._cli import bare_parser  # a bad command line: one line and exit code 2
+
+    p = bare_parser("learning_curves", __doc__)
+    p.prog = "benchmarks/learning_curves.py"
     p.add_argument("--model", default="smollm2", help="smollm2 or a local HF folder")
     p.add_argument("--source", default="champ", help="data.source of pipelines.data (champ, stdlib, a local file)")
     p.add_argument("--seq-len", type=int, default=4096)
@@ -59,7 +107,11 @@ def parse_args(argv=None):
                    "(instead of --eval-crs)")
     p.add_argument("--checkpoints", type=float, nargs="+", default=[0.25e6, 0.5e6, 1e6, 2e6, 4e6, 8e6, 16e6],
                    help="training-token counts at which the held-out set is evaluated (the last ends training); from "
-                   "0.25M, a run the time guard stops after 8M still spans 32x")
+                   "0.25M, a run the time guard stops after 8M still spans 32x. A resumed run evaluates those above "
+                   "the tokens already seen")
+    p.add_argument("--train-sequences", type=int, default=0, help="the training pool (sequences, each once per "
+                   "epoch); 0: as many as the last checkpoint needs (a resumed run: the saved study's). Set it in the "
+                   "first session of a study that will continue (champ at S = 4096 holds 5180)")
     p.add_argument("--scorer", default="mlstm")
     p.add_argument("--scorer-options", default="{}", help="JSON: fields of the scorer's config")
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
@@ -69,23 +121,46 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then constant")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--eval-sequences", type=int, default=32)
-    p.add_argument("--eval-batch", type=int, default=4)
+    p.add_argument("--eval-batch", type=int, default=16, help="held-out sequences per teacher-forced batch (TOVA / "
+                   "H2O step a whole batch at once: fewer, larger batches are faster)")
+    p.add_argument("--heuristics", nargs="*", default=["tova", "h2o"], choices=["tova", "h2o"],
+                   help="dynamic heuristics measured once as references (none: give the option without values)")
+    p.add_argument("--dynamic-sequences", type=int, default=16, help="TOVA / H2O on the first N held-out sequences "
+                   "(paired on those); 0 = all")
+    p.add_argument("--recall-tasks", nargs="+", default=["niah_single"], help="pipelines.recall task names")
+    p.add_argument("--recall-contexts", type=int, nargs="+", default=[2048], help="prompt lengths in tokens")
+    p.add_argument("--recall-depths", type=float, nargs="+", default=[0.1, 0.5])
+    p.add_argument("--recall-samples", type=int, default=8, help="samples per (task, context, depth) cell; 0 = no "
+                   "recall part")
+    p.add_argument("--recall-min-dense", type=float, default=0.9, help="headline recall cells: dense exact match "
+                   "at least this (every cell is still reported)")
+    p.add_argument("--recall-tokens", type=int, default=12, help="greedy tokens per recall answer")
+    p.add_argument("--recall-batch", type=int, default=16, help="recall prompts per generation batch")
+    p.add_argument("--resamples", type=int, default=4000, help="bootstrap resamples (fixed seed)")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="auto", help="base model dtype: auto (bf16 on CUDA, fp32 on CPU) | float32")
-    p.add_argument("--time-budget-s", type=float, default=0, help="stop training after this many seconds (0: none)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="base model dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--time-budget-s", type=float, default=0, help="wall-clock seconds for the whole run: training "
+                   "stops in time for the last evaluation and save (0: no limit)")
+    p.add_argument("--save-state", metavar="DIR", default="", help="save the study here at every checkpoint and at "
+                   "the end (default with --resume: the same folder)")
+    p.add_argument("--resume", metavar="DIR", default="", help="continue the study saved in DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the cost of each scale and exit")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.resume and not args.save_state:
+        args.save_state = args.resume
+    return args
 
 
-def plan(args) -> list[dict]:
-    """Seconds per scale for the stored path (precompute + train) and for this driver (online, one run)."""
+def plan(checkpoints, seq_len: int) -> list[dict]:
+    """Seconds per scale for the stored path (precompute + train), one run per scale."""
     rows = []
-    for tokens in sorted(args.checkpoints):
+    for tokens in sorted(checkpoints):
         stored = tokens / PRECOMPUTE_WRITTEN_TPS + tokens / STORED_TRAIN_TPS
-        rows.append({"tokens": int(tokens), "sequences": math.ceil(tokens / args.seq_len),
+        rows.append({"tokens": int(tokens), "sequences": math.ceil(tokens / seq_len),
                      "stored_path_s": round(stored), "stored_path_all_scales_s": None})
     total_separate = sum(r["tokens"] for r in rows)
     for r in rows:
@@ -93,76 +168,297 @@ def plan(args) -> list[dict]:
     return rows
 
 
-# ------------------------------------------------------------------------------------------------ evaluation
+# ------------------------------------------------------------------------------------------------ inputs
 def budgets_for(args):
+    """``(training budget, evaluation budgets, unreachable CRs)``: the evaluation stage's rule (sink and window of
+    the training budget, topk from each CR)."""
     from kvpop import Budget
+    from pipelines.evaluate import resolve_budgets
 
     train = Budget(args.sink, args.window, args.topk)
     if args.eval_topks:
-        return train, [Budget(args.sink, args.window, k) for k in args.eval_topks]
-    evals = []
-    for cr in args.eval_crs:
-        total = round(args.seq_len * (1 - cr))
-        if total < args.sink + args.window + 1:
-            print(f"[curves] CR {cr}: B = {total} leaves no long-range slot (sink + window = "
-                  f"{args.sink + args.window}); skipped", flush=True)
-            continue
-        evals.append(Budget.from_total(total, sink=args.sink, window=args.window))
-    return train, evals
+        return train, [Budget(args.sink, args.window, k) for k in args.eval_topks], []
+    evals, unreachable = resolve_budgets(train, args.seq_len, ratios=args.eval_crs)
+    for u in unreachable:
+        print(f"[curves] CR {u['CR']}: B = {u['B']} is unreachable ({u['reason']}); skipped", flush=True)
+    return train, evals, unreachable
 
 
-def policy_logits(model, policy: str, budget, ids, targets=None):
-    """Teacher-forced logits of one static policy (or dense) in one masked forward."""
-    import kvpop
+def study_config(args, train_sequences: int):
+    """The pipeline config whose data and eval sections this study uses (the held-out split, the recall cells)."""
+    from pipelines.config import load_config
 
-    if policy == "dense":
-        kvpop.set_policy(model, "dense")
-        return model(input_ids=ids, use_cache=False).logits
-    kvpop.set_policy(model, policy, budget)
-    if policy == "oracle":
-        with kvpop.oracle_priorities(model, targets):
-            return model(input_ids=ids, use_cache=False).logits
-    return model(input_ids=ids, use_cache=False).logits
+    def as_list(values):
+        return "[" + ",".join(str(v) for v in values) + "]"
+
+    return load_config(None, [
+        f"model.path={args.model}", f"budget.sink={args.sink}", f"budget.window={args.window}",
+        f"budget.topk={args.topk}", f"precompute.windows=[{args.window}]", f"data.source={args.source}",
+        f"data.seq_len={args.seq_len}",
+        f"data.num_sequences={train_sequences}", f"data.eval_sequences={args.eval_sequences}", f"data.seed={args.seed}",
+        f"eval.batch_size={args.eval_batch}", f"eval.dynamic_sequences={args.dynamic_sequences}",
+        f"eval.tasks={as_list(args.recall_tasks)}", f"eval.task_contexts={as_list(args.recall_contexts)}",
+        f"eval.task_depths={as_list(args.recall_depths)}", f"eval.task_samples={args.recall_samples}",
+        f"eval.task_min_dense={args.recall_min_dense}", f"eval.max_new_tokens={args.recall_tokens}",
+        f"eval.generation_batch_size={args.recall_batch}", "eval.generation_prompts=0",
+        f"eval.resamples={args.resamples}"])
 
 
-def quality(model, eval_ids, budgets, policies, train_budget, recency, batch: int) -> dict:
-    """``{policy: {str(budget): {"kl", "top1_agreement", "per_sequence_kl": [...]}}}`` over positions >= B."""
+def resolved_dtype(args) -> str:
+    return ("bfloat16" if args.device.startswith("cuda") else "float32") if args.dtype == "auto" else args.dtype
+
+
+def study_settings(args, base_sha256: str, train_sequences: int) -> dict:
+    """The settings a resumed run must share with the saved study (JSON options parsed: spacing does not count)."""
+    out = {name: getattr(args, name) for name in STUDY_ARGS + EVAL_ARGS}
+    out["scorer_options"], out["loss_options"] = json.loads(args.scorer_options), json.loads(args.loss_options)
+    out.update(base_sha256=base_sha256, dtype=resolved_dtype(args), train_sequences=train_sequences)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ training state
+class EpochOrder:
+    """Every sequence of the pool once per epoch, in a fresh order drawn from a seeded generator; its state (the
+    generator and the rest of the current epoch) is all a resumed run needs to draw the batches it would have drawn
+    next."""
+
+    def __init__(self, size: int, seed: int):
+        import torch
+
+        self.size, self.left = size, []
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def take(self, count: int) -> list[int]:
+        import torch
+
+        while len(self.left) < count:
+            self.left += torch.randperm(self.size, generator=self.generator).tolist()
+        out, self.left = self.left[:count], self.left[count:]
+        return out
+
+    def state(self) -> dict:
+        return {"size": self.size, "left": self.left, "generator": _generator_state(self.generator)}
+
+    def load(self, state: dict) -> None:
+        self.size, self.left = state["size"], list(state["left"])
+        _set_generator_state(self.generator, state["generator"])
+
+
+def _generator_state(generator) -> str:
+    return base64.b64encode(generator.get_state().numpy().tobytes()).decode()
+
+
+def _set_generator_state(generator, text: str) -> None:
     import torch
 
-    import kvpop
-    from kvpop import metrics
-    from kvpop.online import online_targets
+    generator.set_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
 
-    out: dict = {p: {str(b): {"stats": [], "per_sequence_kl": []} for b in budgets} for p in policies}
-    with torch.no_grad():
-        for ids in eval_ids.split(batch):
-            kvpop.set_policy(model, "kvpop", train_budget, recency=recency)
-            targets = online_targets(model, ids)["targets"] if "oracle" in policies else None
-            dense = policy_logits(model, "dense", None, ids)
-            for policy in policies:
-                for budget in budgets:
-                    logits = policy_logits(model, policy, budget, ids, targets)
-                    for row in range(ids.shape[0]):
-                        stats = metrics.compare_logits(logits[row], dense[row], ids[row], start=budget.total)
-                        out[policy][str(budget)]["stats"].append(stats)
-                        out[policy][str(budget)]["per_sequence_kl"].append(stats["kl"] / max(1, stats["positions"]))
-                    del logits
-            del dense
-    kvpop.set_policy(model, "kvpop", train_budget, recency=recency)
-    for policy in policies:
-        for budget in budgets:
-            cell = out[policy][str(budget)]
-            summary = metrics.summarize(cell.pop("stats"))
-            cell.update(kl=summary["kl"], top1_agreement=summary["top1_agreement"])
-    return out
+
+class Trainer:
+    """Scorer-only training with online targets: the scorers' AdamW, the warm-up schedule, the data order and the
+    loss's own generator (``random_pairs``), with :meth:`state` / :meth:`load` for an exact resume."""
+
+    def __init__(self, model, args, pool: int, device):
+        import torch
+
+        from kvpop.losses import check_retention_options
+
+        self.model, self.device, self.features = model, device, args.features
+        for name, param in model.named_parameters():
+            param.requires_grad_(".kvpop_scorer." in name)
+        self.names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=args.lr, weight_decay=0.0)
+        warmup = max(1, args.warmup)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.order = EpochOrder(pool, args.seed)
+        self.loss_generator = torch.Generator(device=device).manual_seed(args.seed)
+        self.loss_options = check_retention_options(json.loads(args.loss_options))
+        if args.train_topks:
+            self.loss_options["topks"] = args.train_topks
+        self.batch = args.batch
+        self.step, self.train_s, self.losses, self.accs = 0, 0.0, [], []
+
+    def train_step(self, train_ids) -> None:
+        import torch
+
+        from kvpop.online import scorer_only_step
+
+        ids = train_ids[self.order.take(self.batch)].to(self.device)
+        t0 = time.perf_counter()
+        out = scorer_only_step(self.model, ids, features=self.features, generator=self.loss_generator,
+                               **self.loss_options)
+        self.optimizer.zero_grad(set_to_none=True)
+        out["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.schedule.step()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.train_s += time.perf_counter() - t0
+        self.step += 1
+        self.losses.append(out["loss"].item())
+        self.accs.append(out["boundary_acc"].item())
+
+    def state(self) -> tuple[dict, dict]:
+        """``(JSON-able progress, tensors)``: the tensors are the AdamW moments by parameter name."""
+        saved = self.optimizer.state_dict()
+        tensors, steps = {}, {}
+        for index, entry in saved["state"].items():
+            name = self.names[index]
+            steps[name] = float(entry["step"])
+            tensors.update({f"{name}.{key}": value.detach().cpu().contiguous() for key, value in entry.items()
+                            if key != "step"})
+        schedule = {k: v for k, v in self.schedule.state_dict().items() if k != "lr_lambdas"}
+        return {"step": self.step, "train_s": self.train_s, "losses": self.losses, "accs": self.accs,
+                "parameters": self.names, "adam_steps": steps, "param_groups": saved["param_groups"],
+                "schedule": schedule, "order": self.order.state(),
+                "loss_generator": _generator_state(self.loss_generator)}, tensors
+
+    def load(self, progress: dict, tensors: dict) -> None:
+        import torch
+
+        if progress["parameters"] != self.names:
+            raise ValueError("the saved optimizer state is for other scorer parameters than this model's")
+        index = {name: i for i, name in enumerate(self.names)}
+        state = {index[name]: {"step": torch.tensor(step)} for name, step in progress["adam_steps"].items()}
+        for key, value in tensors.items():
+            name, field = key.rsplit(".", 1)  # AdamW's fields: exp_avg, exp_avg_sq (no dot)
+            state[index[name]][field] = value
+        self.optimizer.load_state_dict({"state": state, "param_groups": progress["param_groups"]})
+        self.schedule.load_state_dict({**progress["schedule"], "lr_lambdas": [None]})
+        self.order.load(progress["order"])
+        _set_generator_state(self.loss_generator, progress["loss_generator"])
+        self.step, self.train_s = progress["step"], progress["train_s"]
+        self.losses, self.accs = list(progress["losses"]), list(progress["accs"])
+
+
+# ------------------------------------------------------------------------------------------------ saved state
+def save_state(folder: Path, trainer: Trainer, study: Study, result: dict) -> None:
+    """``folder/step-<n>/`` (scorers + optimizer shards), then ``folder/state.json`` naming it, atomically; older
+    step folders are removed only after that."""
+    import kvpop
+    from kvpop.files import atomic_write_text, sha256_file
+
+    progress, tensors = trainer.state()
+    name = f"step-{trainer.step:07d}"
+    target = folder / name
+    shutil.rmtree(target, ignore_errors=True)  # a save of this step that was cut off
+    kvpop.save_retrofitted(trainer.model, target, base=study.base, base_sha256=study.base_sha256)
+    shards = write_shards(target, "optimizer", tensors)
+    files = {p.name: sha256_file(p) for p in sorted(target.iterdir())}
+    manifest = {"version": STATE_VERSION, "study": study.settings, "tokens": trainer.step * study.tokens_per_step,
+                "model": name, "files": files, "shards": shards, "progress": progress, "result": result}
+    atomic_write_text(folder / STATE_FILE, json.dumps(manifest))
+    for old in folder.glob("step-*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def write_shards(folder: Path, stem: str, tensors: dict, limit: int = SHARD_BYTES) -> list[str]:
+    """``tensors`` into ``<stem>-00.safetensors``, … of at most ``limit`` bytes of data each (a tensor larger than
+    ``limit`` gets a file of its own); returns the file names."""
+    from safetensors.torch import save_file
+
+    groups: list[dict] = []
+    size = limit
+    for key in sorted(tensors):
+        nbytes = tensors[key].numel() * tensors[key].element_size()
+        if size + nbytes > limit or not groups:
+            groups.append({})
+            size = 0
+        groups[-1][key] = tensors[key]
+        size += nbytes
+    names = [f"{stem}-{i:02d}.safetensors" for i in range(len(groups))]
+    for name, group in zip(names, groups):
+        save_file(group, str(folder / name))
+    return names
+
+
+def read_state(folder: Path) -> dict:
+    """The manifest of a saved study, its files checked against their recorded sha256."""
+    from pipelines.config import ConfigError
+    from kvpop.files import sha256_file
+
+    path = folder / STATE_FILE
+    if not path.is_file():
+        raise ConfigError(f"--resume {folder}: no {STATE_FILE} there (a folder written by --save-state)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("version") != STATE_VERSION:
+        raise ConfigError(f"--resume {folder}: state version {manifest.get('version')}, this script reads "
+                          f"{STATE_VERSION}")
+    for name, digest in manifest["files"].items():
+        file = folder / manifest["model"] / name
+        if not file.is_file() or sha256_file(file) != digest:
+            raise ConfigError(f"--resume {folder}: {manifest['model']}/{name} is missing or differs from the "
+                              f"state's record (an incomplete copy?)")
+    return manifest
+
+
+def check_resume(folder: Path, saved: dict, study: dict) -> None:
+    """One line naming every study setting that differs from the saved study's."""
+    from pipelines.config import ConfigError
+
+    def flag(key):
+        return {"base_sha256": "base weights sha256", "dtype": "--dtype resolves to"}.get(
+            key, f"--{key.replace('_', '-')}")
+
+    def text(key, value):
+        if key == "base_sha256":
+            return str(value)[:12] + "…"
+        return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+    differ = [f"{flag(k)} {text(k, study.get(k))} (saved {text(k, saved.get(k))})"
+              for k in sorted(set(saved) | set(study)) if saved.get(k) != study.get(k)]
+    if differ:
+        raise ConfigError(f"--resume {folder}: this run's study differs from the saved one: {'; '.join(differ)}. "
+                          f"Resume with the saved settings, or start a new --save-state folder")
+
+
+def load_optimizer_tensors(folder: Path, manifest: dict) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in manifest["shards"]:
+        tensors.update(load_file(str(folder / manifest["model"] / name)))
+    return tensors
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+def reference_runs(args, budgets):
+    """The settings that do not depend on the scorer: streaming, the oracle and the asked heuristics per budget."""
+    from kvpop.evaluation import settings
+
+    return settings(["streaming", *args.heuristics, "oracle"], budgets)
+
+
+def evaluate_records(cfg, inputs: dict, model, runs) -> list[dict]:
+    """Per-item records of ``runs`` on the held-out text and the recall samples (the evaluation stage's code)."""
+    from pipelines.eval_parts import evaluate_items
+
+    records, _ = evaluate_items(cfg, inputs, model, progress=False, runs=runs)
+    for r in records:
+        r.pop("ranks", None)  # per gold token; the summary reads first_rank / all_top1
+    return records
+
+
+def summarize_records(records: list[dict], budgets: list[dict], resamples: int, seed: int,
+                      policy: str | None = None) -> dict:
+    """:func:`pipelines.report.summarize` of the records; ``policy``: keep only its rows (and its sentences)."""
+    from pipelines import report
+
+    summary = report.summarize(records, budgets, resamples=resamples, seed=seed)
+    if policy is not None:
+        summary = {kind: [e for e in entries if e["policy"] == policy] for kind, entries in summary.items()}
+    summary["sentences"] = report.sentences(summary, budgets)
+    return summary
 
 
 def diagnostics(model, eval_ids, eval_topks, batch: int) -> dict:
     """Held-out decision / kept-set / rank diagnostics, means per layer and overall."""
-    from kvpop.diagnostics import diagnose_model, summarize
+    from kvpop.diagnostics import diagnose_model, summarize as per_layer
 
-    report = diagnose_model(model, eval_ids, topks=eval_topks, batch_size=batch)
-    summary = summarize(report)
+    summary = per_layer(diagnose_model(model, eval_ids, topks=eval_topks, batch_size=batch))
     out = {"spearman": {rule: v.nanmean().item() for rule, v in summary["spearman"].items()}, "budgets": {}}
     for budget, views in summary["budgets"].items():
         cell = out["budgets"][budget] = {}
@@ -176,125 +472,213 @@ def diagnostics(model, eval_ids, eval_topks, batch: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def load_data(args, tokenizer, train_sequences: int):
+def load_data(cfg, tokenizer):
+    """``(training ids [N, S], held-out rows [{"id", "input_ids"}])`` of the data stage's two splits."""
     import torch
 
-    from pipelines.config import load_config
     from pipelines.data import load_sequences
 
-    cfg = load_config(None, [f"model.path={args.model}", f"data.source={args.source}", f"data.seq_len={args.seq_len}",
-                             f"data.num_sequences={train_sequences}", f"data.eval_sequences={args.eval_sequences}",
-                             f"data.seed={args.seed}"])
-    as_ids = lambda rows: torch.tensor([r["input_ids"] for r in rows], dtype=torch.long)  # noqa: E731
-    return as_ids(load_sequences(cfg, "train", tokenizer)), as_ids(load_sequences(cfg, "eval", tokenizer))
+    train = load_sequences(cfg, "train", tokenizer)
+    return torch.tensor([r["input_ids"] for r in train], dtype=torch.long), load_sequences(cfg, "eval", tokenizer)
+
+
+def check_args(args) -> None:
+    """Bad input that argparse cannot see, as one :class:`ConfigError` line (before anything is loaded)."""
+    from kvpop.losses import check_retention_options
+    from pipelines.config import ConfigError
+
+    for name in ("scorer_options", "loss_options"):
+        try:
+            value = json.loads(getattr(args, name))
+        except ValueError as err:
+            raise ConfigError(f"--{name.replace('_', '-')}: not JSON ({err})") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"--{name.replace('_', '-')}: give a JSON object, got {value!r}")
+    try:
+        check_retention_options(json.loads(args.loss_options))
+    except ValueError as err:
+        raise ConfigError(f"--loss-options: {err}") from None
+    for name in ("batch", "seq_len", "eval_sequences", "eval_batch", "recall_batch", "recall_tokens", "resamples"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.train_sequences < 0 or args.recall_samples < 0 or args.dynamic_sequences < 0:
+        raise ConfigError("--train-sequences, --recall-samples and --dynamic-sequences must be >= 0")
+
+
+@dataclass
+class Study:
+    """What a run is, resolved and checked before the model loads: the pipeline config (data and eval sections), the
+    base folder and its weights' digest, the settings a resume must match, the saved state if resuming, the
+    checkpoints still ahead and the step that ends this run, the recall samples."""
+
+    cfg: object
+    base: Path
+    base_sha256: str
+    settings: dict
+    resume: Path | None
+    manifest: dict | None
+    tokens_per_step: int
+    seen: int
+    checkpoints: list[int]
+    total_steps: int
+    tokenizer: object
+    samples: list
+
+
+def open_study(args) -> Study:
+    """Resolve and check the run (bad input: :class:`ConfigError`, one line): a resume is refused here when the saved
+    study's settings or base weights differ, or when no checkpoint lies beyond the tokens it has seen."""
+    from kvpop.files import weights_digest
+    from kvpop.pretrained import read_model_config
+    from pipelines.config import ConfigError
+    from pipelines.data import check_inputs, load_tokenizer
+    from pipelines.eval_parts import recall_samples
+
+    check_args(args)
+    resume = Path(args.resume) if args.resume else None
+    manifest = read_state(resume) if resume else None
+    tokens_per_step = args.batch * args.seq_len
+    seen = manifest["progress"]["step"] * tokens_per_step if manifest else 0
+    checkpoints = sorted(int(c) for c in args.checkpoints if c > seen)
+    if not checkpoints:
+        raise ConfigError(f"--checkpoints: none above the {seen} training tokens already seen (e.g. --checkpoints "
+                          f"{2 * seen} {4 * seen})" if seen else "--checkpoints: give token counts above 0")
+    total_steps = math.ceil(checkpoints[-1] / tokens_per_step)
+    pool = args.train_sequences or (manifest["study"]["train_sequences"] if manifest else total_steps * args.batch)
+    cfg = study_config(args, pool)
+    check_inputs(cfg)
+    base = cfg.model.resolved_path()
+    base_sha256 = weights_digest(base)
+    settings = study_settings(args, base_sha256, pool)
+    if manifest:
+        check_resume(resume, manifest["study"], settings)
+    tokenizer = load_tokenizer(cfg)
+    try:
+        samples = recall_samples(cfg, tokenizer, read_model_config(base).get("max_position_embeddings"))
+    except ValueError as err:
+        raise ConfigError(f"--recall-*: {err}") from None
+    return Study(cfg, base, base_sha256, settings, resume, manifest, tokens_per_step, seen, checkpoints, total_steps,
+                 tokenizer, samples)
 
 
 def run(args) -> dict:
+    """Train (or continue) the study, evaluating and saving at every checkpoint; returns the result."""
     import torch
 
     import kvpop
-    from kvpop.losses import check_retention_options
-    from kvpop.online import scorer_only_step
+    from kvpop.evaluation import Setting
     from kvpop.pretrained import load_pretrained
-    from pipelines.models import smollm2_dir
 
-    torch.manual_seed(args.seed)
+    started = time.perf_counter()
+    study = open_study(args)
+    cfg, manifest, tokens_per_step = study.cfg, study.manifest, study.tokens_per_step
     device = torch.device(args.device)
     if device.type == "cpu":  # spinning intra-op threads on a busy small box cost far more than they give
         torch.set_num_threads(1)
-    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" \
-        else getattr(torch, args.dtype)
-    path = smollm2_dir() if args.model == "smollm2" else args.model
-    model, tokenizer = load_pretrained(path, dtype=dtype, device=device)
-    train_budget, eval_budgets = budgets_for(args)
-    checkpoints = sorted(int(c) for c in args.checkpoints)
-    tokens_per_step = args.batch * args.seq_len
-    total_steps = math.ceil(checkpoints[-1] / tokens_per_step)
+    model, _ = load_pretrained(study.base, dtype=getattr(torch, resolved_dtype(args)), device=device)
+    train_budget, eval_budgets, unreachable = budgets_for(args)
     t0 = time.perf_counter()
-    train_ids, eval_ids = load_data(args, tokenizer, min(total_steps * args.batch, 10 ** 6))
+    train_ids, heldout = load_data(cfg, study.tokenizer)
     data_s = time.perf_counter() - t0
-    eval_ids = eval_ids.to(device)
-    print(f"[curves] {len(train_ids)} training / {len(eval_ids)} held-out sequences of {args.seq_len} "
-          f"({data_s:.0f}s); {total_steps} steps of {tokens_per_step} tokens", flush=True)
+    eval_ids = torch.tensor([r["input_ids"] for r in heldout], dtype=torch.long, device=device)
+    inputs = {"tokenizer": study.tokenizer, "sequences": heldout, "budgets": eval_budgets, "samples": study.samples,
+              "problems": [], "prompts": []}
+    budgets = [{"B": b.total, "CR": 1 - b.total / args.seq_len, "budget": str(b)} for b in eval_budgets]
+    print(f"[curves] {len(train_ids)} training / {len(heldout)} held-out sequences of {args.seq_len} ({data_s:.0f}s), "
+          f"{len(study.samples)} recall samples; training to step {study.total_steps} ({tokens_per_step} tokens each)",
+          flush=True)
 
+    torch.manual_seed(args.seed)
     kvpop.retrofit(model, train_budget, scorer=args.scorer, policy="kvpop", recency=args.recency,
                    scorer_options=json.loads(args.scorer_options))
-    for name, param in model.named_parameters():
-        param.requires_grad_(".kvpop_scorer." in name)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup)))
-    loss_options = check_retention_options(json.loads(args.loss_options))
-    if args.train_topks:
-        loss_options["topks"] = args.train_topks
-    eval_topks = [b.topk for b in eval_budgets]
+    trainer = Trainer(model, args, len(train_ids), device)
+    if manifest:  # the scorers, the optimizer, the data order, and every point and reference so far
+        kvpop.load_scorers(model, study.resume / manifest["model"])
+        trainer.load(manifest["progress"], load_optimizer_tensors(study.resume, manifest))
+        result = manifest["result"]
+        print(f"[curves] resumed {study.resume} at step {trainer.step} ({tokens_label(study.seen)} tokens, "
+              f"{len(result['points'])} points)", flush=True)
+    else:
+        t0 = time.perf_counter()
+        model.eval()
+        refs = evaluate_records(cfg, inputs, model, reference_runs(args, eval_budgets))
+        result = {"references": {"records": refs, "seconds": round(time.perf_counter() - t0, 1),
+                                 "summary": summarize_records(refs, budgets, args.resamples, args.seed)},
+                  "points": [], "meta": {"sessions": []}}
+        print(f"[curves] references: {result['references']['seconds']}s", flush=True)
+    result["meta"].update(args=vars(args), study=study.settings, train_budget=str(train_budget),
+                          eval_budgets=[str(b) for b in eval_budgets], budgets=budgets, unreachable=unreachable,
+                          tokens_per_step=tokens_per_step, train_sequences=len(train_ids),
+                          eval_sequences=len(heldout), recall_samples=len(study.samples),
+                          plan=plan({r["tokens"] for r in result["meta"].get("plan", [])} | set(study.checkpoints),
+                                    args.seq_len))
+    session = {"device": _device_name(device), "torch": torch.__version__, "args": vars(args),
+               "data_s": round(data_s, 1), "first_step": trainer.step, "train_s_before": trainer.train_s,
+               "stopped": None}
+    result["meta"]["sessions"].append(session)
+    refs = result["references"]["records"]
+    last_checkpoint_s = 0.0
 
-    t0 = time.perf_counter()
-    floor_ceiling = quality(model, eval_ids, eval_budgets, ["streaming", "oracle"], train_budget, args.recency,
-                            args.eval_batch)
-    reference_s = time.perf_counter() - t0
-    points = []
-
-    def evaluate(step: int, train_s: float):
+    def checkpoint() -> None:
+        """Evaluate the scorer as it is now, then save the state and write the outputs."""
+        nonlocal last_checkpoint_s
         t_eval = time.perf_counter()
         model.eval()
-        point = {"step": step, "tokens": step * tokens_per_step, "train_s": round(train_s, 1),
-                 "diagnostics": diagnostics(model, eval_ids, eval_topks, args.eval_batch),
-                 "quality": quality(model, eval_ids, eval_budgets, ["kvpop"], train_budget, args.recency,
-                                    args.eval_batch)["kvpop"]}
+        found = [r for r in evaluate_records(cfg, inputs, model, [Setting("kvpop", b) for b in eval_budgets])
+                 if r["policy"] == "kvpop"]  # dense's recall records again: the references hold them
+        point = {"step": trainer.step, "tokens": trainer.step * tokens_per_step,
+                 "epochs": round(trainer.step * args.batch / len(train_ids), 3), "train_s": round(trainer.train_s, 1),
+                 "session": len(result["meta"]["sessions"]), "records": found,
+                 "summary": summarize_records(refs + found, budgets, args.resamples, args.seed, policy="kvpop"),
+                 "diagnostics": diagnostics(model, eval_ids, [b.topk for b in eval_budgets], args.eval_batch)}
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
-        points.append(point)
-        d = point["diagnostics"]["budgets"][str(train_budget)]["scorer"]
-        q = "; ".join(f"{b} KL {v['kl']:.4f} top-1 {v['top1_agreement']:.4f}" for b, v in point["quality"].items())
-        print(f"[curves] {point['tokens'] / 1e6:.2f}M tokens: BA {d['balanced_accuracy']:.4f} AUC {d['auc']:.4f} "
-              f"agree {d['agreement']:.4f}; {q} (eval {point['eval_s']}s)", flush=True)
+        result["points"].append(point)
+        print(f"[curves] {describe_point(point, train_budget)} (eval {point['eval_s']}s)", flush=True)
+        update_session(session, trainer, tokens_per_step)
+        if args.save_state:
+            save_state(Path(args.save_state), trainer, study, result)
+        write_outputs(result, Path(args.out), args.tag)
+        last_checkpoint_s = time.perf_counter() - t_eval
         model.train()
 
-    evaluate(0, 0.0)
-    train_s, step, stopped = 0.0, 0, None
-    losses, accs = [], []
-    pending = [c for c in checkpoints]
+    if not manifest:
+        checkpoint()  # the untrained scorer: the curve's first point
+    pending = list(study.checkpoints)
     model.train()
-    order = torch.Generator().manual_seed(args.seed)
-    epoch: list[int] = []
-    while step < total_steps:
-        if len(epoch) < args.batch:  # every sequence once per epoch, in a fresh order
-            epoch += torch.randperm(len(train_ids), generator=order).tolist()
-        index, epoch = epoch[:args.batch], epoch[args.batch:]
-        ids = train_ids[index].to(device)
-        t_step = time.perf_counter()
-        out = scorer_only_step(model, ids, features=args.features, **loss_options)
-        optimizer.zero_grad(set_to_none=True)
-        out["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-        warmup.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        train_s += time.perf_counter() - t_step
-        step += 1
-        losses.append(out["loss"].item())
-        accs.append(out["boundary_acc"].item())
-        if step % 50 == 0:
-            print(f"[curves] step {step}/{total_steps} loss {sum(losses[-50:]) / 50:.4f} "
-                  f"train-acc {sum(accs[-50:]) / 50:.4f} {step * tokens_per_step / train_s:.0f} tok/s", flush=True)
-        if pending and step * tokens_per_step >= pending[0]:
-            while pending and step * tokens_per_step >= pending[0]:
-                pending.pop(0)
-            evaluate(step, train_s)
-        if args.time_budget_s and time.perf_counter() - t0 > args.time_budget_s:
-            stopped = f"time budget of {args.time_budget_s:.0f}s reached at step {step}"
-            print(f"[curves] {stopped}", flush=True)
+    while trainer.step < study.total_steps:
+        trainer.train_step(train_ids)
+        if trainer.step % 50 == 0:
+            update_session(session, trainer, tokens_per_step)
+            recent = trainer.losses[-50:], trainer.accs[-50:]
+            print(f"[curves] step {trainer.step}/{study.total_steps} loss {sum(recent[0]) / 50:.4f} train-acc "
+                  f"{sum(recent[1]) / 50:.4f} {session['train_tokens_per_s']} tok/s", flush=True)
+        if pending and trainer.step * tokens_per_step >= pending[0]:
+            pending = [c for c in pending if c > trainer.step * tokens_per_step]
+            checkpoint()
+        if args.time_budget_s and time.perf_counter() - started + 1.25 * last_checkpoint_s > args.time_budget_s:
+            session["stopped"] = f"time budget of {args.time_budget_s:.0f}s: stopped at step {trainer.step}"
+            print(f"[curves] {session['stopped']}", flush=True)
             break
-    if not points or points[-1]["step"] != step:
-        evaluate(step, train_s)
-    return {"meta": {"device": _device_name(device), "torch": torch.__version__, "args": vars(args),
-                     "train_budget": str(train_budget), "eval_budgets": [str(b) for b in eval_budgets],
-                     "train_sequences": len(train_ids), "eval_sequences": len(eval_ids), "data_s": round(data_s, 1),
-                     "reference_eval_s": round(reference_s, 1), "stopped": stopped,
-                     "train_tokens_per_s": round(step * tokens_per_step / max(train_s, 1e-9)),
-                     "losses": losses[::max(1, len(losses) // 200)], "plan": plan(args)},
-            "references": floor_ceiling, "points": points}
+    if result["points"][-1]["step"] != trainer.step:
+        checkpoint()
+    return result
+
+
+def update_session(session: dict, trainer: Trainer, tokens_per_step: int) -> None:
+    """This session's steps, training seconds and throughput, and its losses (at most ~200 of them)."""
+    steps = trainer.step - session["first_step"]
+    seconds = trainer.train_s - session["train_s_before"]
+    session.update(last_step=trainer.step, train_s=round(seconds, 1),
+                   train_tokens_per_s=round(steps * tokens_per_step / seconds) if seconds > 0 else None,
+                   losses=trainer.losses[session["first_step"]:][::max(1, steps // 200)])
+
+
+def describe_point(point: dict, train_budget) -> str:
+    d = point["diagnostics"]["budgets"][str(train_budget)]["scorer"]
+    q = "; ".join(f"B {m['B']} {m['metric']} {m['estimate']:.4f}" for m in point["summary"]["metrics"]
+                  if m["metric"] in ("kl", "top1_agreement", "recall_exact"))
+    return (f"{tokens_label(point['tokens'])} tokens: BA {d['balanced_accuracy']:.4f} AUC {d['auc']:.4f} "
+            f"agree {d['agreement']:.4f}; {q}")
 
 
 def _device_name(device) -> str:
@@ -310,51 +694,131 @@ def tokens_label(n: float) -> str:
     return f"{n / 1e6:.2f}M" if n >= 1e5 else f"{n / 1e3:.1f}k" if n >= 1e3 else f"{int(n)}"
 
 
-def render(result: dict) -> str:
-    from benchmarks.bootstrap import format_interval, paired_bootstrap
+def _find(entries: list[dict], **match) -> dict | None:
+    return next((e for e in entries if all(e.get(k) == v for k, v in match.items())), None)
 
-    meta, refs, points = result["meta"], result["references"], result["points"]
-    train_budget = meta["train_budget"]
-    lines = [f"# Learning curves ({meta['device']})", "",
-             f"Scorer-only `{meta['args']['scorer']}`, online targets (`--features {meta['args']['features']}`), "
-             f"training budget {train_budget}, S = {meta['args']['seq_len']}, {meta['train_sequences']} training / "
-             f"{meta['eval_sequences']} held-out sequences, {meta['train_tokens_per_s']} training tokens/s. One run, "
-             f"evaluated at each token count (constant lr {meta['args']['lr']} after {meta['args']['warmup']} "
-             f"warm-up steps)." + (f" Stopped early: {meta['stopped']}." if meta["stopped"] else ""), "",
-             "| tokens | BA (train k) | AUC | agreement | newest agr. | oldest agr. | overlap end | Spearman | "
-             + " | ".join(f"KL {b} | top-1 {b}" for b in meta["eval_budgets"]) + " |",
-             "|---|---|---|---|---|---|---|---|" + "---|---|" * len(meta["eval_budgets"])]
+
+def _span(entry: dict | None, digits: int, signed: bool = False) -> str:
+    """``mean [lo, hi]``."""
+    if entry is None or entry["estimate"] is None or not math.isfinite(entry["estimate"]):
+        return "-"
+    f = (lambda v: f"{v:+.{digits}f}") if signed else (lambda v: f"{v:.{digits}f}")
+    return f"{f(entry['estimate'])} [{f(entry['lo'])}, {f(entry['hi'])}]"
+
+
+def _difference(entry: dict | None, digits: int) -> str:
+    """The paired difference, "above" / "below" only where its interval excludes 0."""
+    if entry is None:
+        return "-"
+    if entry["vs"] == "best_heuristic" and entry["baseline"] == "streaming":
+        return "(= streaming)"
+    word = ("above" if entry["estimate"] > 0 else "below") if entry["resolved"] else "not resolved"
+    against = f" ({entry['baseline']})" if entry["vs"] == "best_heuristic" else ""
+    return f"{_span(entry, digits, True)} {word}{against}"
+
+
+def _curve_table(result: dict, B: int, metrics: list[tuple[str, str, int]], gaps: bool) -> list[str]:
+    """One row per point: each metric's mean [interval], its paired differences to streaming and to the best
+    heuristic (and the gap closed); then the references' rows."""
+    head = ["tokens", "epochs", *(label for _, label, _ in metrics),
+            *(f"{label} − streaming" for _, label, _ in metrics),
+            *(f"{label} − best heuristic" for _, label, _ in metrics)]
+    if gaps:
+        head += [f"{label} gap closed" for _, label, _ in metrics]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for p in result["points"]:
+        s = p["summary"]
+        cells = [tokens_label(p["tokens"]), f"{p['epochs']:.2f}"]
+        cells += [_span(_find(s["metrics"], metric=m, B=B), d) for m, _, d in metrics]
+        for vs in ("streaming", "best_heuristic"):
+            cells += [_difference(_find(s["differences"], metric=m, B=B, vs=vs), d + 1) for m, _, d in metrics]
+        if gaps:
+            cells += [_span(_find(s["gap_closed"], metric=m, B=B), 2) for m, _, _ in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    reference = result["references"]["summary"]["metrics"]
+    for policy in ("dense", "streaming", "tova", "h2o", "oracle"):
+        values = [_find(reference, metric=m, B=B, policy=policy) for m, _, _ in metrics]
+        if any(values):
+            cells = [f"*{policy}*", "", *(_span(v, d) for v, (_, _, d) in zip(values, metrics))]
+            lines.append("| " + " | ".join(cells + [""] * (len(head) - len(cells))) + " |")
+    return lines
+
+
+def _cells_table(result: dict, B: int) -> list[str]:
+    """Recall exact match per cell (headline or not): one row per point, then the references'."""
+    cells = result["references"]["summary"]["cells"]
+    keys = sorted({(c["task"], c["context"], c["depth"]) for c in cells})
+    head = ["tokens", *(f"{t} c{c} d{d:g}" for t, c, d in keys)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+    def row(label, entries, at):
+        found = [_find(entries, task=t, context=c, depth=d, B=at) for t, c, d in keys]
+        return "| " + " | ".join([label, *(f"{e['exact']:.2f}" if e else "-" for e in found)]) + " |"
+
+    lines += [row(tokens_label(p["tokens"]), p["summary"]["cells"], B) for p in result["points"]]
+    lines += [row("*dense*", [c for c in cells if c["policy"] == "dense"], None)]
+    for policy in ("streaming", "tova", "h2o", "oracle"):
+        mine = [c for c in cells if c["policy"] == policy]
+        if mine:
+            lines.append(row(f"*{policy}*", mine, B))
+    return lines
+
+
+def render(result: dict) -> str:
+    meta, points = result["meta"], result["points"]
+    args, train_budget = meta["args"], meta["train_budget"]
+    n_text = meta["eval_sequences"]
+    sessions = "; ".join(
+        f"{i + 1}: {s['device']}, steps {s['first_step']} → {s.get('last_step', s['first_step'])}, "
+        f"{s.get('train_tokens_per_s') or '-'} tokens/s" + (f", stopped early ({s['stopped']})" if s["stopped"] else "")
+        for i, s in enumerate(meta["sessions"]))
+    epoch_tokens = meta["train_sequences"] * args["seq_len"]
+    recall_items = f" and {meta['recall_samples']} recall samples" if meta["recall_samples"] else ""
+    lines = [f"# Learning curves ({', '.join(sorted({s['device'] for s in meta['sessions']}))})", "",
+             f"Scorer-only `{args['scorer']}`, online targets (`--features {args['features']}`), training budget "
+             f"{train_budget}, S = {args['seq_len']}, {args['batch']} sequences per step from a pool of "
+             f"{meta['train_sequences']} (one epoch = {tokens_label(epoch_tokens)} tokens), constant lr {args['lr']} "
+             f"after {args['warmup']} warm-up steps; one run evaluated at each token count on {n_text} held-out "
+             f"sequences{recall_items}. Sessions: {sessions}.", "",
+             "Intervals: 95 % percentile bootstrap over items (`pipelines.stats`); differences paired over the items "
+             "both policies have; \"above\" / \"below\" only where the paired interval excludes 0. Best heuristic: "
+             "the best of streaming / TOVA / H2O by point estimate, per metric"
+             + (f" (TOVA / H2O on the first {args['dynamic_sequences']} sequences)"
+                if args["heuristics"] and args["dynamic_sequences"] else "") + ".", "",
+             f"## Held-out keep/evict decisions at the training budget {train_budget}", "",
+             "| tokens | BA | AUC | agreement | newest agr. | oldest agr. | overlap end | Spearman |",
+             "|---|---|---|---|---|---|---|---|"]
     for p in points:
         d = p["diagnostics"]["budgets"][train_budget]
         s = d["scorer"]
-        q = " | ".join(f"{p['quality'][b]['kl']:.4f} | {p['quality'][b]['top1_agreement']:.4f}"
-                       for b in meta["eval_budgets"])
         lines.append(f"| {tokens_label(p['tokens'])} | {s['balanced_accuracy']:.4f} | {s['auc']:.4f} | "
                      f"{s['agreement']:.4f} | {d['newest']['agreement']:.4f} | {d['oldest']['agreement']:.4f} | "
-                     f"{s['overlap_end']:.3f} | {p['diagnostics']['spearman']['scorer']:.3f} | {q} |")
-    for policy in ("streaming", "oracle"):
-        q = " | ".join(f"{refs[policy][b]['kl']:.4f} | {refs[policy][b]['top1_agreement']:.4f}"
-                       for b in meta["eval_budgets"])
-        lines.append(f"| *{policy}* | | | | | | | | {q} |")
-    lines += ["", "At the last point, per held-out sequence (paired bootstrap, mean [95 % interval], * where it "
-              "excludes 0):", ""]
-    last = points[-1]["quality"] if points else {}
-    for b in meta["eval_budgets"] if last else []:
-        floor, ceiling = refs["streaming"][b]["kl"], refs["oracle"][b]["kl"]
-        closed = f"{(floor - last[b]['kl']) / (floor - ceiling):.0%}" if floor > ceiling else "n/a"
-        delta = paired_bootstrap(last[b]["per_sequence_kl"], refs["streaming"][b]["per_sequence_kl"])
-        lines.append(f"- {b}: KL(KVpop) − KL(streaming) = {format_interval(delta, 4)}; closes {closed} of the "
-                     f"streaming→oracle KL gap")
+                     f"{s['overlap_end']:.3f} | {p['diagnostics']['spearman']['scorer']:.3f} |")
+    for b in meta["budgets"]:
+        title = f"B = {b['B']} ({b['budget']}, CR {100 * b['CR']:g} %)"
+        lines += ["", f"## Held-out text at {title}: mean [95 % interval] over {n_text} sequences", ""]
+        lines += _curve_table(result, b["B"], TEXT_METRICS, gaps=True)
+        if meta["recall_samples"]:
+            lines += ["", f"## Recall at {title}: headline cells (dense >= {args['recall_min_dense']})", ""]
+            if _find(result["references"]["summary"]["metrics"], part="recall", B=b["B"]):
+                lines += _curve_table(result, b["B"], RECALL_METRICS, gaps=False)
+            else:
+                lines.append("No cell reaches the dense threshold: no headline recall numbers.")
+            lines += ["", "Exact match per cell (every cell):", "", *_cells_table(result, b["B"])]
+    if points:
+        lines += ["", f"## At the last point ({tokens_label(points[-1]['tokens'])} tokens)", "",
+                  *(f"- {s}" for s in points[-1]["summary"]["sentences"])]
     lines += ["",
               "Training seconds to reach each scale: this driver (online targets, one run, at the throughput "
-              "measured here) vs the stored path (precompute written at "
+              "of its latest session) vs the stored path (precompute written at "
               f"{PRECOMPUTE_WRITTEN_TPS} tok/s + training at {STORED_TRAIN_TPS} tok/s, measured on the H200) with "
               "one run per scale:", "",
               "| tokens | sequences | online, one run (cumulative) | stored, this scale | stored, all scales |",
               "|---|---|---|---|---|"]
+    rate = meta["sessions"][-1].get("train_tokens_per_s") or 0
     for r in meta["plan"]:
-        online = r["tokens"] / max(1, meta["train_tokens_per_s"])
-        lines.append(f"| {tokens_label(r['tokens'])} | {r['sequences']} | {online:.0f} | {r['stored_path_s']} | "
+        online = f"{r['tokens'] / rate:.0f}" if rate else "-"
+        lines.append(f"| {tokens_label(r['tokens'])} | {r['sequences']} | {online} | {r['stored_path_s']} | "
                      f"{r['stored_path_all_scales_s']} |")
     return "\n".join(lines) + "\n"
 
@@ -365,50 +829,103 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    meta, points, refs = result["meta"], result["points"], result["references"]
+    meta, points = result["meta"], result["points"]
+    reference = result["references"]["summary"]["metrics"]
     train_budget = meta["train_budget"]
     tokens = [max(p["tokens"], 1) for p in points]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 8.5))
     d = [p["diagnostics"]["budgets"][train_budget] for p in points]
-    axes[0].plot(tokens, [x["scorer"]["balanced_accuracy"] for x in d], "o-", label="scorer: balanced accuracy")
-    axes[0].plot(tokens, [x["scorer"]["auc"] for x in d], "s-", label="scorer: AUC")
-    axes[0].plot(tokens, [x["newest"]["auc"] for x in d], "--", color="C1", label="newest-wins: AUC")
-    axes[0].axhline(0.5, color="0.5", linestyle=":", label="newest / oldest / random: BA 0.5")
-    axes[0].set_title(f"held-out keep/evict decisions at {train_budget}", fontsize=9)
-    axes[1].plot(tokens, [x["scorer"]["agreement"] for x in d], "o-", label="scorer")
-    axes[1].plot(tokens, [x["newest"]["agreement"] for x in d], "--", color="C1", label="newest-wins")
-    axes[1].plot(tokens, [x["oldest"]["agreement"] for x in d], "--", color="C2", label="oldest-wins")
-    axes[1].set_title("raw agreement", fontsize=9)
-    for i, b in enumerate(meta["eval_budgets"]):
-        color = f"C{i}"
-        axes[2].plot(tokens, [p["quality"][b]["kl"] for p in points], "o-", color=color, label=f"KVpop {b}")
-        axes[2].axhline(refs["streaming"][b]["kl"], color=color, linestyle="--", label=f"streaming {b}")
-        axes[2].axhline(refs["oracle"][b]["kl"], color=color, linestyle=":", label=f"oracle {b}")
-    axes[2].set_title("held-out KL(dense ‖ policy)", fontsize=9)
-    for ax in axes:
-        ax.set_xscale("symlog", linthresh=min(t for t in tokens if t > 1) if len(tokens) > 1 else 1)
+    ax = axes[0][0]
+    ax.plot(tokens, [x["scorer"]["balanced_accuracy"] for x in d], "o-", label="scorer: balanced accuracy")
+    ax.plot(tokens, [x["scorer"]["auc"] for x in d], "s-", label="scorer: AUC")
+    ax.plot(tokens, [x["newest"]["auc"] for x in d], "--", color="C1", label="newest-wins: AUC")
+    ax.axhline(0.5, color="0.5", linestyle=":", label="newest / oldest / random: BA 0.5")
+    ax.set_title(f"held-out keep/evict decisions at {train_budget}", fontsize=9)
+    ax = axes[0][1]
+    ax.plot(tokens, [x["scorer"]["agreement"] for x in d], "o-", label="scorer")
+    ax.plot(tokens, [x["newest"]["agreement"] for x in d], "--", color="C1", label="newest-wins")
+    ax.plot(tokens, [x["oldest"]["agreement"] for x in d], "--", color="C2", label="oldest-wins")
+    ax.set_title("raw agreement", fontsize=9)
+
+    def curve(ax, metric, B, color, label, kind="metrics", **match):
+        found = [_find(p["summary"][kind], metric=metric, B=B, **match) for p in points]
+        xs = [t for t, e in zip(tokens, found) if e]
+        if not xs:
+            return
+        es = [e for e in found if e]
+        ax.plot(xs, [e["estimate"] for e in es], "o-", color=color, label=label)
+        ax.fill_between(xs, [e["lo"] for e in es], [e["hi"] for e in es], color=color, alpha=0.2, lw=0)
+
+    def level(ax, metric, B, color, policy, style):
+        e = _find(reference, metric=metric, B=B, policy=policy)
+        if e:
+            ax.axhline(e["estimate"], color=color, linestyle=style, lw=1, label=f"{policy} B={B}")
+
+    panels = [(axes[0][2], "kl", "held-out KL(dense ‖ policy), 95 % interval"),
+              (axes[1][0], "top1_agreement", "held-out top-1 agreement with dense")]
+    for ax, metric, title in panels:
+        for i, b in enumerate(meta["budgets"]):
+            curve(ax, metric, b["B"], f"C{i}", f"KVpop B={b['B']}")
+            for policy, style in (("streaming", "--"), ("tova", "-."), ("h2o", (0, (5, 1, 1, 1))), ("oracle", ":")):
+                level(ax, metric, b["B"], f"C{i}", policy, style)
+        ax.set_title(title, fontsize=9)
+    ax = axes[1][1]
+    for i, b in enumerate(meta["budgets"]):
+        curve(ax, "kl", b["B"], f"C{i}", f"KL B={b['B']}", "differences", vs="streaming")
+        curve(ax, "top1_agreement", b["B"], f"C{i + len(meta['budgets'])}", f"top-1 B={b['B']}", "differences",
+              vs="streaming")
+    ax.axhline(0, color="0.3", lw=1)
+    ax.set_title("paired KVpop − streaming (KL below 0, top-1 above 0: better)", fontsize=9)
+    ax = axes[1][2]
+    if _find(reference, part="recall"):
+        for i, b in enumerate(meta["budgets"]):
+            curve(ax, "recall_gold_logprob", b["B"], f"C{i}", f"KVpop B={b['B']}")
+            for policy, style in (("streaming", "--"), ("oracle", ":")):
+                level(ax, "recall_gold_logprob", b["B"], f"C{i}", policy, style)
+        level(ax, "recall_gold_logprob", meta["budgets"][0]["B"], "0.3", "dense", "-")  # dense: every budget's row
+        ax.set_title("recall: gold answer log-probability (headline cells)", fontsize=9)
+    else:
+        ax.text(0.5, 0.5, "no headline recall cells", ha="center", va="center", transform=ax.transAxes)
+    for ax in axes.flat:
+        ax.set_xscale("symlog", linthresh=min([t for t in tokens if t > 1] or [1]))
         ax.set_xlabel("training tokens")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
-def main(argv=None) -> None:
+def write_outputs(result: dict, out: Path, tag: str) -> Path:
+    """``<out>/learning_curves_<tag>.json`` (+ ``.md``, ``.png``), each written atomically."""
+    from kvpop.files import atomic_write_text
+
+    stem = out / f"learning_curves_{tag}"
+    atomic_write_text(stem.with_suffix(".json"), json.dumps(result, indent=1))
+    atomic_write_text(stem.with_suffix(".md"), render(result))
+    partial = stem.with_name(stem.name + ".tmp.png")
+    plot(result, partial)
+    os.replace(partial, stem.with_suffix(".png"))
+    return stem
+
+
+def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plan:
-        for row in plan(args):
+        for row in plan(args.checkpoints, args.seq_len):
             print(row)
-        return
-    result = run(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"learning_curves_{args.tag}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(render(result))
-    plot(result, stem.with_suffix(".png"))
+        return 0
+    from jobs._cli import fail
+    from pipelines.config import ConfigError
+
+    try:
+        result = run(args)
+    except ConfigError as err:
+        return fail("learning_curves", err)
     print(render(result))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

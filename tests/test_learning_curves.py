@@ -1,0 +1,182 @@
+"""``benchmarks/learning_curves.py`` on CPU at a tiny size (a 2-layer random Llama with SmolLM2's tokenizer, S = 64):
+per-item records and intervals at every checkpoint, and a study saved, resumed and continued that trains exactly as
+one uninterrupted run."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from benchmarks import learning_curves as curves
+from pipelines import stats
+
+pytestmark = pytest.mark.pretrained  # SmolLM2's tokenizer (tiny_setup)
+
+TOKENS_PER_STEP = 2 * 64
+
+
+def argv(setup, out, *extra) -> list[str]:
+    """A tiny study: 2 sequences of 64 tokens per step from a pool of 5 (an epoch ends inside a batch), 3 held-out
+    sequences, budget s2-w8-k16, evaluated at B = 32; the loss draws random pairs (its generator is state too)."""
+    return ["--model", str(setup / "teacher"), "--source", str(setup / "docs.jsonl"), "--device", "cpu",
+            "--seq-len", "64", "--batch", "2", "--train-sequences", "5", "--eval-sequences", "3", "--eval-batch", "3",
+            "--sink", "2", "--window", "8", "--topk", "16", "--eval-crs", "0.5", "--warmup", "3",
+            "--loss-options", '{"random_pairs": 2}', "--heuristics", "--recall-samples", "0", "--resamples", "200",
+            "--out", str(out), "--tag", "t", *extra]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """One KVPOP_HOME for the module: the data stage's sequence cache is built once."""
+    path = tmp_path_factory.mktemp("home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVPOP_HOME", str(path))
+        yield path
+
+
+@pytest.fixture(scope="module")
+def saved(tiny_setup, home, tmp_path_factory):
+    """A first session of 5 steps (checkpoints at 2 and 5 steps), its state saved: the folder."""
+    root = tmp_path_factory.mktemp("first")
+    assert curves.main(argv(tiny_setup, root / "out", "--checkpoints", str(2 * TOKENS_PER_STEP),
+                            str(5 * TOKENS_PER_STEP), "--save-state", str(root / "state"))) == 0
+    return root / "state"
+
+
+def _step_files(state) -> dict[str, torch.Tensor]:
+    manifest = json.loads((state / "state.json").read_text())
+    folder = state / manifest["model"]
+    out = dict(load_file(str(folder / "kvpop_scorers.safetensors")))
+    for shard in manifest["shards"]:
+        out.update({f"optimizer.{k}": v for k, v in load_file(str(folder / shard)).items()})
+    return out
+
+
+def test_resumed_study_trains_as_one_run(tiny_setup, home, saved, tmp_path):
+    resumed = tmp_path / "resumed"
+    shutil.copytree(saved, resumed)
+    assert curves.main(argv(tiny_setup, tmp_path / "b", "--checkpoints", str(9 * TOKENS_PER_STEP),
+                            "--resume", str(resumed))) == 0
+    assert curves.main(argv(tiny_setup, tmp_path / "c", "--checkpoints", str(2 * TOKENS_PER_STEP),
+                            str(5 * TOKENS_PER_STEP), str(9 * TOKENS_PER_STEP),
+                            "--save-state", str(tmp_path / "one"))) == 0
+
+    split, one = _step_files(resumed), _step_files(tmp_path / "one")
+    assert sorted(split) == sorted(one) and any(k.endswith("exp_avg_sq") for k in split)
+    for key in one:
+        torch.testing.assert_close(split[key], one[key], rtol=0, atol=1e-6, msg=key)
+    a, b = (json.loads((folder / "state.json").read_text()) for folder in (resumed, tmp_path / "one"))
+    assert a["progress"]["step"] == b["progress"]["step"] == 9
+    assert a["progress"]["order"] == b["progress"]["order"] and a["progress"]["losses"] == b["progress"]["losses"]
+
+    result = json.loads((tmp_path / "b" / "learning_curves_t.json").read_text())
+    assert [p["tokens"] for p in result["points"]] == [0, 2 * TOKENS_PER_STEP, 5 * TOKENS_PER_STEP,
+                                                      9 * TOKENS_PER_STEP]  # the earlier points, then the new one
+    assert [(s["first_step"], s["last_step"]) for s in result["meta"]["sessions"]] == [(0, 5), (5, 9)]
+    continuous = json.loads((tmp_path / "c" / "learning_curves_t.json").read_text())
+    kl = lambda r: sorted((x["item"], x["kl"]) for x in r["points"][-1]["records"])  # noqa: E731
+    assert kl(result) == kl(continuous)
+    markdown = (tmp_path / "b" / "learning_curves_t.md").read_text()
+    assert all(f"| {curves.tokens_label(p['tokens'])} |" in markdown for p in result["points"])
+
+
+def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
+    def fails(state, *extra) -> str:
+        capsys.readouterr()
+        assert curves.main(argv(tiny_setup, tmp_path / "out", "--resume", str(state), *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        return err
+
+    later = str(9 * TOKENS_PER_STEP)
+    assert "--seq-len 48 (saved 64)" in fails(saved, "--seq-len", "48", "--checkpoints", later)
+    message = fails(saved, "--scorer", "mlp", "--loss-options", "{}", "--checkpoints", later)
+    assert "--scorer mlp (saved mlstm)" in message and '--loss-options {} (saved {"random_pairs": 2})' in message
+    assert "training tokens already seen" in fails(saved, "--checkpoints", str(5 * TOKENS_PER_STEP))
+    assert "no state.json" in fails(tmp_path, "--checkpoints", later)
+    broken = tmp_path / "broken"
+    shutil.copytree(saved, broken)
+    manifest = json.loads((broken / "state.json").read_text())
+    (broken / manifest["model"] / manifest["shards"][0]).write_bytes(b"cut off")
+    assert "differs from the state's record" in fails(broken, "--checkpoints", later)
+
+
+def test_every_checkpoint_has_items_intervals_and_paired_differences(tiny_setup, home, tmp_path):
+    out = tmp_path / "out"
+    assert curves.main(argv(tiny_setup, out, "--checkpoints", str(TOKENS_PER_STEP), str(2 * TOKENS_PER_STEP),
+                            "--heuristics", "tova", "--dynamic-sequences", "2", "--recall-tasks", "niah_single",
+                            "--recall-contexts", "128", "--recall-depths", "0.2", "--recall-samples", "2",
+                            "--recall-min-dense", "0")) == 0
+    result = json.loads((out / "learning_curves_t.json").read_text())
+    refs = result["references"]["records"]
+    B = result["meta"]["budgets"][0]["B"]
+
+    def values(records, policy, field, part="text"):
+        return {r["item"]: r[field] for r in records if r["policy"] == policy and r["part"] == part and r["B"] == B}
+
+    assert len(values(refs, "streaming", "kl")) == len(values(refs, "oracle", "kl")) == 3
+    assert len(values(refs, "tova", "top1_agreement")) == 2  # --dynamic-sequences
+    assert len(values(refs, "dense", "exact", "recall")) == 0  # dense's recall records carry B = None
+    assert len([r for r in refs if r["policy"] == "dense" and r["part"] == "recall"]) == 2
+    markdown = (out / "learning_curves_t.md").read_text()
+    digits = {name: d for name, _, d in curves.TEXT_METRICS + curves.RECALL_METRICS}
+    assert len(result["points"]) == 3
+    for point in result["points"]:
+        records, summary = point["records"], point["summary"]
+        for field, name in (("kl", "kl"), ("top1_agreement", "top1_agreement"), ("exact", "recall_exact"),
+                            ("logprob", "recall_gold_logprob")):
+            part = "text" if name in ("kl", "top1_agreement") else "recall"
+            mine = values(records, "kvpop", field, part)
+            assert len(mine) == (3 if part == "text" else 2)
+            entry = curves._find(summary["metrics"], metric=name, B=B)
+            interval = stats.mean_interval([round(v, 6) for v in mine.values()], resamples=200)
+            assert entry["estimate"] == pytest.approx(np.mean(list(mine.values())), abs=1e-6)
+            assert (entry["lo"], entry["hi"]) == pytest.approx((interval.lo, interval.hi))
+            heuristics = {h: values(refs, h, field, part) for h in ("streaming", "tova")}
+            heuristics = {h: v for h, v in heuristics.items() if v}
+            sign = -1 if name == "kl" else 1
+            best = max(heuristics, key=lambda h: sign * np.mean(list(heuristics[h].values())))
+            for vs, baseline in (("streaming", "streaming"), ("best_heuristic", best)):
+                d = curves._find(summary["differences"], metric=name, B=B, vs=vs)
+                assert d["baseline"] == baseline
+                items = sorted(set(mine) & set(heuristics[baseline]))
+                ref = stats.paired_difference([round(mine[i], 6) for i in items],
+                                              [round(heuristics[baseline][i], 6) for i in items], resamples=200)
+                assert (d["n"], d["estimate"], d["resolved"]) == (len(items), pytest.approx(ref.estimate),
+                                                                  ref.resolved)
+                text = curves._difference(d, digits[name] + 1)
+                assert ("not resolved" in text) == (not d["resolved"]) or text == "(= streaming)"
+                assert ("above" in text or "below" in text) == (d["resolved"] and text != "(= streaming)")
+                assert text in markdown
+        assert {g["metric"] for g in summary["gap_closed"]} == {"kl", "top1_agreement"}
+    assert (out / "learning_curves_t.png").stat().st_size > 0
+
+
+def test_shards_stay_under_the_limit_and_round_trip(tmp_path):
+    generator = torch.Generator().manual_seed(0)
+    tensors = {f"layer.{i}.exp_avg": torch.randn(i + 1, 7, generator=generator) for i in range(12)}
+    names = curves.write_shards(tmp_path, "optimizer", tensors, limit=200)
+    assert len(names) > 1
+    back = {}
+    for name in names:
+        part = load_file(str(tmp_path / name))
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 200 or len(part) == 1
+        back.update(part)
+    assert sorted(back) == sorted(tensors) and all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+def test_epoch_order_resumes_where_it_stopped():
+    one = curves.EpochOrder(5, seed=3)
+    drawn = [one.take(2) for _ in range(7)]
+    for epoch in range(2):  # every epoch is a permutation of the pool
+        assert sorted(sum(drawn, [])[5 * epoch:5 * epoch + 5]) == list(range(5))
+    first = curves.EpochOrder(5, seed=3)
+    for _ in range(3):
+        first.take(2)
+    second = curves.EpochOrder(5, seed=99)
+    second.load(json.loads(json.dumps(first.state())))
+    assert [second.take(2) for _ in range(4)] == drawn[3:]
