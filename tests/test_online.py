@@ -97,10 +97,16 @@ def test_bad_use_is_refused():
 
 
 def test_query_power_reaches_the_online_targets():
-    """``query_power`` (METHOD §2) reaches the targets a scorer-only step trains on: the brute force's power mean."""
-    _, model = retrofitted(scorer="mlp")
+    """``query_power`` (METHOD §2) reaches the targets a scorer-only step trains on and those the precompute stage
+    stores: the brute force's power mean."""
+    from pipelines.precompute import compute_rows
+    from pipelines.store import target_column
+
+    base, model = retrofitted(scorer="mlp")
     ids = torch.randint(0, 97, (2, S))
     online = online_targets(model, ids, query_power=8.0, keep=("queries", "keys"))
+    stored = compute_rows(base, ids.numpy(), [6], top_k=4, query_power=8.0)[target_column(6)]  # the precompute's
+    torch.testing.assert_close(online["targets"], torch.from_numpy(stored).permute(1, 0, 2, 3), atol=1e-5, rtol=0)
     for layer in range(2):
         brute = future_attention_targets_dense(online["queries"][layer], online["keys"][layer], 6, query_power=8.0)
         finite = torch.isfinite(brute)
