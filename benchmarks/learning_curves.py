@@ -78,7 +78,9 @@ STORED_TRAIN_TPS = 40_000
 # What a resumed run must share with the saved study, besides the base weights (their digest) and the resolved dtype
 # and training pool: what the scorer is trained on and how, and what the curve's points are measured on.
 STUDY_ARGS = ("source", "seq_len", "sink", "window", "topk", "train_topks", "scorer", "scorer_options",
-              "loss_options", "recency", "features", "lr", "warmup", "batch", "seed")
+              "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed")
+# study settings that came after studies were first saved: the value a study saved without one ran with
+SAVED_BEFORE = {"query_power": 1.0}
 EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "heuristics", "dynamic_sequences", "recall_tasks",
              "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens", "resamples")
 # The curves' metrics (pipelines.report names), their labels and digits (differences get one more).
@@ -117,6 +119,8 @@ def parse_args(argv=None):
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
     p.add_argument("--recency", type=float, default=0.0)
     p.add_argument("--features", default="dense", choices=["dense", "student"])
+    p.add_argument("--query-power", type=float, default=1.0, help="β of the targets' power mean over the deciding "
+                   "queries (METHOD §2): 1 = their mean; larger = nearer their max. Training, diagnostics and oracle")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then constant")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
@@ -194,7 +198,7 @@ def study_config(args, train_sequences: int):
     return load_config(None, [
         f"model.path={args.model}", f"budget.sink={args.sink}", f"budget.window={args.window}",
         f"budget.topk={args.topk}", f"precompute.windows=[{args.window}]", f"data.source={args.source}",
-        f"data.seq_len={args.seq_len}",
+        f"data.seq_len={args.seq_len}", f"precompute.query_power={args.query_power}",
         f"data.num_sequences={train_sequences}", f"data.eval_sequences={args.eval_sequences}", f"data.seed={args.seed}",
         f"eval.batch_size={args.eval_batch}", f"eval.dynamic_sequences={args.dynamic_sequences}",
         f"eval.tasks={as_list(args.recall_tasks)}", f"eval.task_contexts={as_list(args.recall_contexts)}",
@@ -264,6 +268,7 @@ class Trainer:
         from kvpop.losses import check_retention_options
 
         self.model, self.device, self.features = model, device, args.features
+        self.query_power = args.query_power
         for name, param in model.named_parameters():
             param.requires_grad_(".kvpop_scorer." in name)
         self.names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -286,8 +291,8 @@ class Trainer:
 
         ids = train_ids[self.order.take(self.batch)].to(self.device)
         t0 = time.perf_counter()
-        out = scorer_only_step(self.model, ids, features=self.features, generator=self.loss_generator,
-                               **self.loss_options)
+        out = scorer_only_step(self.model, ids, features=self.features, query_power=self.query_power,
+                               generator=self.loss_generator, **self.loss_options)
         self.optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -408,6 +413,7 @@ def check_resume(folder: Path, saved: dict, study: dict) -> None:
             return str(value)[:12] + "…"
         return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
+    saved = {**SAVED_BEFORE, **saved}
     differ = [f"{flag(k)} {text(k, study.get(k))} (saved {text(k, saved.get(k))})"
               for k in sorted(set(saved) | set(study)) if saved.get(k) != study.get(k)]
     if differ:
@@ -454,11 +460,12 @@ def summarize_records(records: list[dict], budgets: list[dict], resamples: int, 
     return summary
 
 
-def diagnostics(model, eval_ids, eval_topks, batch: int) -> dict:
-    """Held-out decision / kept-set / rank diagnostics, means per layer and overall."""
+def diagnostics(model, eval_ids, eval_topks, batch: int, query_power: float = 1.0) -> dict:
+    """Held-out decision / kept-set / rank diagnostics against the training targets, means per layer and overall."""
     from kvpop.diagnostics import diagnose_model, summarize as per_layer
 
-    summary = per_layer(diagnose_model(model, eval_ids, topks=eval_topks, batch_size=batch))
+    summary = per_layer(diagnose_model(model, eval_ids, topks=eval_topks, batch_size=batch,
+                                       target_options={"query_power": query_power}))
     out = {"spearman": {rule: v.nanmean().item() for rule, v in summary["spearman"].items()}, "budgets": {}}
     for budget, views in summary["budgets"].items():
         cell = out["budgets"][budget] = {}
@@ -485,6 +492,7 @@ def load_data(cfg, tokenizer):
 def check_args(args) -> None:
     """Bad input that argparse cannot see, as one :class:`ConfigError` line (before anything is loaded)."""
     from kvpop.losses import check_retention_options
+    from kvpop.targets import check_query_power
     from pipelines.config import ConfigError
 
     for name in ("scorer_options", "loss_options"):
@@ -498,6 +506,10 @@ def check_args(args) -> None:
         check_retention_options(json.loads(args.loss_options))
     except ValueError as err:
         raise ConfigError(f"--loss-options: {err}") from None
+    try:
+        check_query_power(args.query_power)
+    except ValueError as err:
+        raise ConfigError(f"--query-power: {err}") from None
     for name in ("batch", "seq_len", "eval_sequences", "eval_batch", "recall_batch", "recall_tokens", "resamples"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -630,7 +642,8 @@ def run(args) -> dict:
                  "epochs": round(trainer.step * args.batch / len(train_ids), 3), "train_s": round(trainer.train_s, 1),
                  "session": len(result["meta"]["sessions"]), "records": found,
                  "summary": summarize_records(refs + found, budgets, args.resamples, args.seed, policy="kvpop"),
-                 "diagnostics": diagnostics(model, eval_ids, [b.topk for b in eval_budgets], args.eval_batch)}
+                 "diagnostics": diagnostics(model, eval_ids, [b.topk for b in eval_budgets], args.eval_batch,
+                                            args.query_power)}
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
         result["points"].append(point)
         print(f"[curves] {describe_point(point, train_budget)} (eval {point['eval_s']}s)", flush=True)
@@ -775,7 +788,9 @@ def render(result: dict) -> str:
     epoch_tokens = meta["train_sequences"] * args["seq_len"]
     recall_items = f" and {meta['recall_samples']} recall samples" if meta["recall_samples"] else ""
     lines = [f"# Learning curves ({', '.join(sorted({s['device'] for s in meta['sessions']}))})", "",
-             f"Scorer-only `{args['scorer']}`, online targets (`--features {args['features']}`), training budget "
+             f"Scorer-only `{args['scorer']}`, online targets (`--features {args['features']}`"
+             f"{', --query-power ' + str(args['query_power']) if args.get('query_power', 1.0) != 1.0 else ''}), "
+             f"training budget "
              f"{train_budget}, S = {args['seq_len']}, {args['batch']} sequences per step from a pool of "
              f"{meta['train_sequences']} (one epoch = {tokens_label(epoch_tokens)} tokens), constant lr {args['lr']} "
              f"after {args['warmup']} warm-up steps; one run evaluated at each token count on {n_text} held-out "

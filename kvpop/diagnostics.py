@@ -202,13 +202,14 @@ def summarize(report: dict, dim: int = 1) -> dict:
 
 @torch.no_grad()
 def diagnose_model(model, input_ids: torch.Tensor, topks=(), *, features: str = "student", batch_size: int = 4,
-                   queries=None, seed: int = 0) -> dict:
+                   queries=None, seed: int = 0, target_options: dict | None = None) -> dict:
     """:func:`diagnose` of a retrofitted model's scorers on held-out ``input_ids [N, S]``.
 
     The teacher is the model's own dense pass (:func:`kvpop.online.online_targets`: exact for scorer-only training,
     where the base is frozen); the scorers read the keys and values of the student's forward under its policy's
     budget (``features="student"``, what inference sees) or of the dense pass (``"dense"``). Budgets: the policy's
     and one per extra long-range size in ``topks``; the teacher ranks with the policy's recency term.
+    ``target_options``: the target definition the scorers were trained on (``group_reduce``, ``query_power``).
     """
     from kvpop.online import FEATURE_SOURCES, dense_priorities, online_targets, student_priorities
     from kvpop.retrofit import runtime_of
@@ -219,7 +220,7 @@ def diagnose_model(model, input_ids: torch.Tensor, topks=(), *, features: str = 
     students, targets = [], []
     for batch in input_ids.split(batch_size):
         keep = ("keys", "values") if features == "dense" else ()
-        online = online_targets(model, batch, keep=keep)
+        online = online_targets(model, batch, keep=keep, **(target_options or {}))
         targets.append(online["targets"])
         students.append(dense_priorities(model, online["keys"], online["values"]) if features == "dense"
                         else student_priorities(model, batch))

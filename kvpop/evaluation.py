@@ -12,7 +12,8 @@ A :class:`Setting` is one policy at one budget (dense: no budget). How it runs i
 * **dense** is the model's dense mode, or a separate ``reference`` model (the teacher of a distilled student).
 
 The **oracle** ranks tokens by the dense teacher's future-attention targets (METHOD §2) of the very tokens it is
-run on (:func:`teacher_targets`). In generation it gets the targets of the prompt followed by *dense's* greedy
+run on (:func:`teacher_targets`; ``target_options`` names the target definition, e.g. the ``group_reduce`` and
+``query_power`` the scorer was trained on). In generation it gets the targets of the prompt followed by *dense's* greedy
 continuation, by position: exact for the tokens dense produced, and for the oracle's own tokens until they diverge
 from dense's (a table padded with ``-inf`` beyond: such tokens rank lowest).
 
@@ -154,12 +155,14 @@ def _positions(ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 @torch.no_grad()
-def teacher_targets(model, ids: torch.Tensor, windows: Sequence[int], *, backend: str = "auto"
-                    ) -> dict[int, torch.Tensor]:
+def teacher_targets(model, ids: torch.Tensor, windows: Sequence[int], *, group_reduce: str = "max",
+                    query_power: float = 1.0, backend: str = "auto") -> dict[int, torch.Tensor]:
     """Oracle priorities ``{window: [layers, B, Hkv, S]}``: the dense teacher's future-attention targets of
-    ``ids`` (unpadded rows), one pass for all windows. Works on a plain and on a retrofitted model. ``backend``:
-    :func:`kvpop.targets.teacher_pass`'s (``"chunked"`` where every call has a new length, see :func:`_row_targets`)."""
-    return teacher_pass(model, ids, windows=sorted(set(windows)), top_k=1, backend=backend)["targets"]
+    ``ids`` (unpadded rows), one pass for all windows. Works on a plain and on a retrofitted model.
+    ``group_reduce``, ``query_power`` and ``backend``: :func:`kvpop.targets.teacher_pass`'s (``backend="chunked"``
+    where every call has a new length, see :func:`_row_targets`)."""
+    return teacher_pass(model, ids, windows=sorted(set(windows)), top_k=1, group_reduce=group_reduce,
+                        query_power=query_power, backend=backend)["targets"]
 
 
 @torch.no_grad()
@@ -328,11 +331,13 @@ def _batches(count: int, size: int) -> Iterator[range]:
 @torch.no_grad()
 def teacher_forced_items(model, sequences: Sequence[torch.Tensor], runs: Sequence[Setting], *, reference=None,
                          batch_size: int = 4, dynamic_limit: int = 0, metric_start: int | None = None,
+                         target_options: dict | None = None,
                          progress: Callable[[int], None] | None = None) -> list[dict]:
     """One record per (setting, sequence) of equal-length held-out ``sequences``: ``{"policy", "B", "budget",
     "item", top1_agreement, kl, token_acc, token_acc_dense, positions, labelled}`` over positions ``>= B``
     (or ``metric_start``). Dense gets one record per budget (its own dense mode against ``reference``).
-    ``dynamic_limit`` > 0: dynamic policies on the first that many sequences only."""
+    ``dynamic_limit`` > 0: dynamic policies on the first that many sequences only. ``target_options``: the options
+    of :func:`teacher_targets` the oracle ranks by (``group_reduce``, ``query_power``; default METHOD §2's)."""
     reference = model if reference is None else reference
     device = _device(model)
     budgets = list(dict.fromkeys(s.budget for s in runs if s.budget is not None))
@@ -341,7 +346,8 @@ def teacher_forced_items(model, sequences: Sequence[torch.Tensor], runs: Sequenc
     for rows in _batches(len(sequences), batch_size):
         ids = torch.stack([torch.as_tensor(sequences[i], dtype=torch.long) for i in rows]).to(device)
         dense = dense_logits(reference, ids)
-        targets = teacher_targets(reference, ids, windows) if any(s.policy == "oracle" for s in runs) else {}
+        targets = (teacher_targets(reference, ids, windows, **(target_options or {}))
+                   if any(s.policy == "oracle" for s in runs) else {})
         for setting in runs:
             if setting.policy == "dense":
                 own = dense if reference is model else dense_logits(model, ids)
@@ -393,7 +399,7 @@ def _records(setting, total, budget, rows, logits, dense, ids, start) -> list[di
 def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Setting], *, max_new_tokens: int,
                      eos_id: int | None, pad_id: int = 0, batch_size: int = 8, reference=None,
                      forced: str | Sequence[Sequence[int]] | None = "dense",
-                     score: Callable[[torch.Tensor, int], dict] | None = None,
+                     score: Callable[[torch.Tensor, int], dict] | None = None, target_options: dict | None = None,
                      progress: Callable[[int], None] | None = None) -> list[dict]:
     """One record per (setting, prompt): ``{"policy", "B", "budget", "item", "tokens", "divergence"}`` — the
     greedy continuation (cut after EOS) and the index of its first token that differs from dense's (its full length
@@ -403,7 +409,8 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
     ``j`` of those logits predicts continuation token ``j``.
 
     Dense (from ``reference``, default the model's own dense mode) always runs, as the comparison; its record has
-    ``policy == "dense"`` and ``B = None``. The oracle has the targets of prompt + dense's continuation.
+    ``policy == "dense"`` and ``B = None``. The oracle has the targets of prompt + dense's continuation
+    (``target_options``: as in :func:`teacher_forced_items`).
     Prompts are batched in order of length (less padding); records are in that order too.
     """
     reference = model if reference is None else reference
@@ -424,7 +431,8 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
         records += _generation_records(Setting("dense"), rows, dense_tokens, dense_tokens, dense.forced, dense.forced,
                                        given, score)
         targets = ({w: [t[:, 0] for t in per] for w, per in _row_targets(
-            reference, [p + d for p, d in zip(batch, dense_tokens)], windows).items()} if windows else {})
+            reference, [p + d for p, d in zip(batch, dense_tokens)], windows, **(target_options or {})).items()}
+            if windows else {})
         for setting in runs:
             out = continue_prompts(model, setting, batch, max_new_tokens=max_new_tokens, pad_id=pad_id,
                                    targets=targets.get(setting.budget.window) if setting.policy == "oracle" else None,
@@ -436,11 +444,12 @@ def generation_items(model, prompts: Sequence[Sequence[int]], runs: Sequence[Set
     return records
 
 
-def _row_targets(model, rows: Sequence[Sequence[int]], windows) -> dict[int, list[torch.Tensor]]:
+def _row_targets(model, rows: Sequence[Sequence[int]], windows, **options) -> dict[int, list[torch.Tensor]]:
     """Teacher targets of each unpadded row: ``{window: [[layers, 1, Hkv, n_i]]}``. Every row has a length of its own,
-    so not FlexAttention: compiled on CUDA, it builds one kernel per shape (seconds each, per row)."""
+    so not FlexAttention: compiled on CUDA, it builds one kernel per shape (seconds each, per row). ``options``:
+    :func:`teacher_targets`'s target definition."""
     device = _device(model)
-    per_row = [teacher_targets(model, torch.tensor([list(r)], device=device), windows, backend="chunked")
+    per_row = [teacher_targets(model, torch.tensor([list(r)], device=device), windows, **options, backend="chunked")
                for r in rows]
     return {w: [t[w] for t in per_row] for w in windows}
 

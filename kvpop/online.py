@@ -31,12 +31,13 @@ def _scorer_window(model) -> int:
     return attention_modules(model)[0].kvpop_scorer.window
 
 
-def online_targets(model, input_ids: torch.Tensor, *, group_reduce: str = "max", backend: str = "auto",
-                   keep: tuple[str, ...] = ()) -> dict:
+def online_targets(model, input_ids: torch.Tensor, *, group_reduce: str = "max", query_power: float = 1.0,
+                   backend: str = "auto", keep: tuple[str, ...] = ()) -> dict:
     """``{"targets": [layers, B, Hkv, S]}`` for the scorers' window from one dense pass of the retrofitted model
     (and the per-layer ``keep`` tensors of :func:`kvpop.targets.teacher_pass`). No gradient."""
     window = _scorer_window(model)
-    out = teacher_pass(model, input_ids, [window], top_k=0, group_reduce=group_reduce, backend=backend, keep=keep)
+    out = teacher_pass(model, input_ids, [window], top_k=0, group_reduce=group_reduce, query_power=query_power,
+                       backend=backend, keep=keep)
     return {"targets": out["targets"][window], **{name: out[name] for name in keep}}
 
 
@@ -59,18 +60,20 @@ def student_priorities(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense", group_reduce: str = "max",
-                     backend: str = "auto", **loss_options) -> dict:
+                     query_power: float = 1.0, backend: str = "auto", **loss_options) -> dict:
     """One scorer-only training step's forward: targets online, priorities, and the retention loss.
 
     ``loss_options`` go to :func:`kvpop.losses.retention_loss` (``tau``, ``weight``, ``balance``, ``topks``,
-    ``random_pairs``, ``generator``); the teacher ranks by target + the policy's recency term (METHOD §3).
+    ``random_pairs``, ``generator``); the teacher ranks by target (``group_reduce``, ``query_power``: METHOD §2) +
+    the policy's recency term (METHOD §3).
     Returns ``{"loss", "boundary_acc", "student", "targets"}`` (``loss`` carries the scorers' gradient).
     """
     if features not in FEATURE_SOURCES:
         raise ValueError(f"features must be one of {FEATURE_SOURCES}, got {features!r}")
     policy = runtime_of(model).policy
     keep = ("keys", "values") if features == "dense" else ()
-    online = online_targets(model, input_ids, group_reduce=group_reduce, backend=backend, keep=keep)
+    online = online_targets(model, input_ids, group_reduce=group_reduce, query_power=query_power, backend=backend,
+                            keep=keep)
     if features == "dense":
         student = dense_priorities(model, online["keys"], online["values"])
     else:

@@ -5,6 +5,11 @@ where ``P`` is the teacher's causal attention. We never form the S×S map: one *
 layer, in which the keys play the queries and the teacher's queries play the keys, with a score modification that
 subtracts each query's forward LSE. That call's own row log-sum-exp is ``log Σ_{d >= t+w} P[h, d, t]``.
 
+``query_power`` β >= 1 replaces the mean over the deciding queries by the power mean
+``(mean_d P[h, d, t]^β)^(1/β)``: the score modification becomes ``β (a - LSE)`` and the row LSE, less ``log N[t]``,
+is divided by β, at the same cost. β = 1 is the mean (bit for bit: ×1 and /1 are exact); β → ∞ tends to the max
+over the deciding queries, which keeps a token that only a few future queries need (a needle).
+
 Backends: ``"flex"`` (FlexAttention; compiled on CUDA, eager on CPU where compiled flex cannot return the LSE),
 ``"chunked"`` (blocks of rows in plain torch: O(block × S) memory, the CPU default), and
 :func:`future_attention_targets_dense`, an fp64 brute force for tests.
@@ -20,6 +25,14 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 from kvpop.attention import flex
 
 GROUP_REDUCTIONS = ("max", "mean", "sum")
+
+
+def check_query_power(power) -> float:
+    """β of the power mean over the deciding queries (METHOD §2): a finite number >= 1 (1: the mean)."""
+    if isinstance(power, bool) or not isinstance(power, (int, float)) or not math.isfinite(power) or power < 1:
+        raise ValueError(f"query_power must be a finite number >= 1 (1: the mean over the deciding queries, larger: "
+                         f"closer to their max), got {power!r}")
+    return float(power)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, window: int) -> tuple[int, int, int, int, int]:
@@ -104,6 +117,7 @@ def future_attention_targets(
     lse: torch.Tensor | None = None,
     scale: float | None = None,
     group_reduce: str = "max",
+    query_power: float = 1.0,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Targets ``y[B, Hkv, S]`` (float32; ``-inf`` where no query ``d >= t + window`` exists).
@@ -111,11 +125,13 @@ def future_attention_targets(
     ``q [B, Hq, S, D]`` and ``k [B, Hkv, S, D]`` exactly as attention sees them (after RoPE and norms); query head
     ``h`` reads KV head ``h // (Hq // Hkv)``. ``lse [B, Hq, S]`` is the forward pass's natural-log LSE (computed
     by a causal pass when omitted). ``group_reduce`` combines the mean attention of the group's query heads:
-    ``max`` (METHOD default), ``mean`` or ``sum``.
+    ``max`` (METHOD default), ``mean`` or ``sum``. ``query_power`` β: each head's power mean
+    ``(mean_d P^β)^(1/β)`` over the deciding queries instead of their mean (β = 1, the METHOD default).
     """
     b, hq, hkv, size, dim = _check(q, k, window)
     if group_reduce not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
+    power = check_query_power(query_power)
     scale = dim ** -0.5 if scale is None else scale
     if lse is None:
         lse = causal_lse(q, k, scale=scale, backend=backend)
@@ -128,8 +144,8 @@ def future_attention_targets(
         # transposed: rows are the keys (expanded to the query heads), columns the teacher's queries
         keys_as_queries = k.repeat_interleave(group, dim=1) if group > 1 else k
 
-        def subtract_forward_lse(score, bi, hi, t, d):
-            return score - lse[bi, hi, d]
+        def subtract_forward_lse(score, bi, hi, t, d):  # flex has applied ``scale`` to q·k already
+            return (score - lse[bi, hi, d]) * power
 
         block_mask = _future_block_mask(size, window, str(q.device))
         log_mass = None
@@ -143,11 +159,11 @@ def future_attention_targets(
             log_mass = _flex_with_lse(keys_as_queries, q, torch.zeros_like(q), subtract_forward_lse, block_mask,
                                       scale).float()
     else:
-        log_mass = _future_log_mass_chunked(q, k, window, lse, scale, group)
+        log_mass = _future_log_mass_chunked(q, k, window, lse, scale, group, power)
     pos = torch.arange(size, device=q.device)
     count = size - (pos + window)  # N[t]: queries that decide the token's retention
     has_target = count > 0
-    log_mean = log_mass - torch.log(count.clamp(min=1).float())
+    log_mean = (log_mass - torch.log(count.clamp(min=1).float())) / power
     log_mean = log_mean.view(b, hkv, group, size)
     if group_reduce == "max":
         y = log_mean.amax(2)
@@ -156,8 +172,8 @@ def future_attention_targets(
     return torch.where(has_target, y, torch.full_like(y, float("-inf")))
 
 
-def _future_log_mass_chunked(q, k, window, lse, scale, group):
-    """``log Σ_{d >= t + window} exp(a[h, d, t] - LSE[h, d])`` in row blocks of the transposed problem."""
+def _future_log_mass_chunked(q, k, window, lse, scale, group, power=1.0):
+    """``log Σ_{d >= t + window} exp(power · (a[h, d, t] - LSE[h, d]))`` in row blocks of the transposed problem."""
     b, hq, size, _ = q.shape
     keys = k.float().repeat_interleave(group, dim=1)
     queries = q.float()
@@ -166,15 +182,17 @@ def _future_log_mass_chunked(q, k, window, lse, scale, group):
     pos = torch.arange(size, device=q.device)
     for start in range(0, size, step):
         rows = slice(start, min(size, start + step))
-        scores = torch.einsum("bhtd,bhqd->bhtq", keys[:, :, rows], queries) * scale - lse[:, :, None, :]
+        scores = (torch.einsum("bhtd,bhqd->bhtq", keys[:, :, rows], queries) * scale - lse[:, :, None, :]) * power
         scores = scores.masked_fill(pos[None, :] < pos[rows, None] + window, float("-inf"))
         out[:, :, rows] = scores.logsumexp(-1)
     return out
 
 
-def future_attention_targets_dense(q, k, window, *, scale=None, group_reduce="max") -> torch.Tensor:
+def future_attention_targets_dense(q, k, window, *, scale=None, group_reduce="max", query_power=1.0
+                                   ) -> torch.Tensor:
     """Brute-force fp64 reference: materialises ``P`` (S×S). For tests and small S only."""
     b, hq, hkv, size, dim = _check(q, k, window)
+    power = check_query_power(query_power)
     scale = dim ** -0.5 if scale is None else scale
     group = hq // hkv
     keys = k.double().repeat_interleave(group, dim=1)
@@ -184,7 +202,9 @@ def future_attention_targets_dense(q, k, window, *, scale=None, group_reduce="ma
     prob = a.softmax(-1)  # [b, h, d, t]
     decides = pos[:, None] >= pos[None, :] + window  # query d decides token t
     count = (size - pos - window).clamp(min=1).double()
-    mean = (prob * decides).sum(-2) / count  # [b, h, t]
+    deciding = prob * decides
+    top = deciding.amax(-2, keepdim=True).clamp(min=1e-300)  # the power mean of P / max: no underflow at large β
+    mean = top.squeeze(-2) * ((deciding / top).pow(power).sum(-2) / count).pow(1 / power)  # [b, h, t]
     mean = mean.view(b, hkv, group, size)
     m = {"max": mean.amax(2), "mean": mean.mean(2), "sum": mean.sum(2)}[group_reduce]
     y = m.log()
@@ -223,8 +243,9 @@ def causal_attention_with_lse(q, k, v, *, scale: float, backend: str = "auto"):
 
 
 class _TeacherRecorder:
-    def __init__(self, windows, group_reduce, backend, keep=()):
+    def __init__(self, windows, group_reduce, backend, keep=(), query_power=1.0):
         self.windows, self.group_reduce, self.backend = tuple(windows), group_reduce, backend
+        self.query_power = query_power
         self.targets: dict[int, dict[int, torch.Tensor]] = {w: {} for w in self.windows}
         self.kept: dict[str, dict[int, torch.Tensor]] = {name: {} for name in keep}
 
@@ -241,7 +262,8 @@ def _teacher_attention_forward(module, query, key, value, attention_mask, scalin
     out, lse = causal_attention_with_lse(query, key, value, scale=scale, backend=recorder.backend)
     for window in recorder.windows:
         recorder.targets[window][module.layer_idx] = future_attention_targets(
-            query, key, window, lse=lse, scale=scale, group_reduce=recorder.group_reduce, backend=recorder.backend)
+            query, key, window, lse=lse, scale=scale, group_reduce=recorder.group_reduce,
+            query_power=recorder.query_power, backend=recorder.backend)
     for name, tensor in (("queries", query), ("keys", key), ("values", value)):
         if name in recorder.kept:  # as attention sees them (after RoPE and norms): a scorer's inputs
             recorder.kept[name][module.layer_idx] = tensor
@@ -260,7 +282,8 @@ def _register_teacher() -> None:
 
 @torch.no_grad()
 def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, group_reduce: str = "max",
-                 backend: str = "auto", logits_chunk: int = 1024, keep: tuple[str, ...] = ()) -> dict:
+                 query_power: float = 1.0, backend: str = "auto", logits_chunk: int = 1024,
+                 keep: tuple[str, ...] = ()) -> dict:
     """Run a frozen dense model once and return what training needs from it (METHOD §2, §3).
 
     Returns ``{"targets": {window: [layers, B, Hkv, S] float32}, "topk_values": [B, S, K] float32,
@@ -268,17 +291,18 @@ def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, g
     logits are projected ``logits_chunk`` positions at a time, so no ``[S, vocab]`` tensor is held for long S.
     ``top_k=0`` skips the logits (scorer-only training needs none). ``keep`` names any of ``"queries"``,
     ``"keys"``, ``"values"`` to return too: per layer, the ``[B, H, S, D]`` tensors attention saw (keys and values
-    are a scorer's inputs).
+    are a scorer's inputs). ``group_reduce`` and ``query_power``: :func:`future_attention_targets`'s.
     """
     windows = sorted({int(w) for w in windows})
     if not windows or windows[0] < 1:
         raise ValueError(f"windows must be integers >= 1, got {windows}")
     if set(keep) - KEEPABLE:
         raise ValueError(f"keep may name {sorted(KEEPABLE)}, got {list(keep)}")
+    query_power = check_query_power(query_power)  # before the forward: not from inside the first layer
     _register_teacher()
     attn_modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
                     and hasattr(m, "k_proj")]
-    recorder = _TeacherRecorder(windows, group_reduce, backend, keep)
+    recorder = _TeacherRecorder(windows, group_reduce, backend, keep, query_power)
     previous = model.config._attn_implementation
     for module in attn_modules:
         module._kvpop_teacher_recorder = recorder

@@ -26,6 +26,7 @@ from kvpop.objective import TRAIN_POLICIES
 from kvpop.parameters import TRAIN_MODES
 from kvpop.policies import POLICIES
 from kvpop.scorers import SCORERS
+from kvpop.targets import check_query_power
 from pipelines.models import REPO_ROOT, kvpop_home, smollm2_dir
 from pipelines.offline import OFFLINE_ENV
 from pipelines.schema import ConfigError, build, parse_override, set_path
@@ -71,6 +72,7 @@ class PrecomputeConfig:
     windows: tuple[int, ...] = (64,)  # targets depend on the window only (METHOD §2)
     top_k: int = 64  # teacher top-K logits kept for distillation
     group_reduce: str = "max"
+    query_power: float = 1.0  # β of the power mean over the deciding queries (METHOD §2): 1 = the mean
     sequences_per_shard: int = 4
     batch_size: int = 1
     num_actors: int = 1  # teacher actors in the Ray Data actor pool
@@ -85,6 +87,22 @@ class PrecomputeConfig:
                   (self.sequences_per_shard >= 1, "precompute.sequences_per_shard must be >= 1"),
                   (self.batch_size >= 1 and self.num_actors >= 1, "precompute.batch_size and precompute.num_actors "
                                                                   "must be >= 1")])
+        try:
+            object.__setattr__(self, "query_power", check_query_power(self.query_power))  # 8 and 8.0: one key
+        except ValueError as err:
+            raise ConfigError(f"precompute.{err}") from None
+
+    # settings that came after targets were first stored: in a target set's identity and key only away from their
+    # default, so targets (and records) made before them keep theirs; a reader takes an absent one as its default
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("query_power",)
+
+    @classmethod
+    def optional_defaults(cls) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.OPTIONAL}
+
+    def optional_settings(self) -> dict:
+        """The :data:`OPTIONAL` settings that differ from their default."""
+        return {k: getattr(self, k) for k, default in self.optional_defaults().items() if getattr(self, k) != default}
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,10 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     runs = runner.settings(ev.policies, inputs["budgets"]) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    generation = dict(eos_id=tok.eos_token_id, pad_id=pad, batch_size=ev.generation_batch_size, reference=reference)
+    oracle = {"group_reduce": cfg.precompute.group_reduce,  # the target definition the scorer was trained on
+              "query_power": cfg.precompute.query_power}
+    generation = dict(eos_id=tok.eos_token_id, pad_id=pad, batch_size=ev.generation_batch_size, reference=reference,
+                      target_options=oracle)
     records, seconds = [], {}
 
     def part(name, total, fn):
@@ -152,7 +155,7 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     records += part("text", len(ids) * len(runs), lambda tick: [
         {"part": "text", **r, "item": sequences[r["item"]]["id"]} for r in runner.teacher_forced_items(
             model, ids, runs, reference=reference, batch_size=ev.batch_size, dynamic_limit=ev.dynamic_sequences,
-            metric_start=metric_start, progress=tick)])
+            metric_start=metric_start, target_options=oracle, progress=tick)])
     samples = inputs["samples"]
     if samples:
         records += part("recall", len(samples) * others, lambda tick: recall_records(runner.generation_items(

@@ -34,14 +34,14 @@ from pipelines.data import check_inputs, load_sequences, load_tokenizer
 
 
 def compute_rows(model, input_ids: np.ndarray, windows, *, top_k: int, group_reduce: str = "max",
-                 batch_size: int = 1) -> dict[str, np.ndarray]:
+                 query_power: float = 1.0, batch_size: int = 1) -> dict[str, np.ndarray]:
     """The teacher's outputs for ``input_ids [n, S]`` as per-row arrays (the shard columns minus ``id``)."""
     device = next(model.parameters()).device
     windows = sorted({int(w) for w in windows})
     parts: dict[str, list[np.ndarray]] = {"input_ids": [np.asarray(input_ids, dtype=np.int32)]}
     for start in range(0, len(input_ids), batch_size):
         ids = torch.tensor(np.asarray(input_ids[start:start + batch_size]), dtype=torch.long, device=device)
-        out = teacher_pass(model, ids, windows, top_k=top_k, group_reduce=group_reduce)
+        out = teacher_pass(model, ids, windows, top_k=top_k, group_reduce=group_reduce, query_power=query_power)
         for w in windows:  # [L, B, Hkv, S] -> [B, L, Hkv, S]
             parts.setdefault(store.target_column(w), []).append(
                 out["targets"][w].permute(1, 0, 2, 3).float().cpu().numpy())
@@ -71,7 +71,7 @@ class TeacherActor:
         for shard, ids, input_ids in zip(batch["shard"], batch["ids"], batch["input_ids"]):
             t0 = time.perf_counter()
             rows = compute_rows(self.model, np.asarray(input_ids), p.windows, top_k=p.top_k,
-                                group_reduce=p.group_reduce, batch_size=p.batch_size)
+                                group_reduce=p.group_reduce, query_power=p.query_power, batch_size=p.batch_size)
             t1 = time.perf_counter()
             name, size, digest = store.write_shard(self.folder, int(shard), store.shard_table(list(ids), rows,
                                                                                                self.key))

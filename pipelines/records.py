@@ -76,7 +76,7 @@ def precompute_key(cfg: PipelineConfig) -> str:
     """The teacher, the data and the target settings (not the actor layout or the output root)."""
     p = cfg.precompute
     return fingerprint("precompute", cfg.model, cfg.data, sorted(set(p.windows)), p.top_k, p.group_reduce,
-                       p.sequences_per_shard)
+                       p.sequences_per_shard, *p.optional_settings().items())
 
 
 def train_key(cfg: PipelineConfig) -> str:

@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from transformers import AutoConfig
 
 from kvpop.files import LockedError, atomic_write_bytes, atomic_write_text, exclusive_lock, sha256_file
-from pipelines.config import ConfigError, PipelineConfig, fingerprint
+from pipelines.config import ConfigError, PipelineConfig, PrecomputeConfig, fingerprint
 from pipelines.data import data_fingerprint
 from pipelines.identity import teacher_identity
 
@@ -90,7 +90,7 @@ def target_identity(cfg: PipelineConfig, tokenizer=None) -> dict:
         "windows": sorted({int(w) for w in p.windows}), "top_k": p.top_k, "group_reduce": p.group_reduce,
         "sequences_per_shard": p.sequences_per_shard, "num_layers": config.num_hidden_layers,
         "num_kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "vocab_size": config.vocab_size,
+        "vocab_size": config.vocab_size, **p.optional_settings(),
     }
 
 
@@ -100,7 +100,8 @@ LAYOUT_FIELDS = ("sequences_per_shard", "windows")
 
 def training_identity(cfg: PipelineConfig, tokenizer=None) -> dict:
     """The identity fields a trainer's config must share with the targets it reads (all but :data:`LAYOUT_FIELDS`)."""
-    return {k: v for k, v in target_identity(cfg, tokenizer).items() if k not in LAYOUT_FIELDS}
+    kept = {k: v for k, v in target_identity(cfg, tokenizer).items() if k not in LAYOUT_FIELDS}
+    return {**PrecomputeConfig.optional_defaults(), **kept}  # stated at their default too: a reader checks them
 
 
 def targets_root(cfg: PipelineConfig) -> Path:
@@ -362,10 +363,12 @@ def _check_identity(folder: Path, found: dict, expect: dict) -> None:
         raise TargetsError(f"targets at {folder} are for sequences of {found.get('seq_len')} tokens, the config trains "
                            f"on data.seq_len={expect['seq_len']}: precompute with this seq_len or set data.seq_len="
                            f"{found.get('seq_len')}")
-    settings = {"top_k": "precompute.top_k", "group_reduce": "precompute.group_reduce", "teacher": "model.dtype",
+    settings = {"top_k": "precompute.top_k", "group_reduce": "precompute.group_reduce",
+                "query_power": "precompute.query_power", "teacher": "model.dtype",
                 "data": "data.* (the corpus, its tokenizer or a data setting)"}
     for name, want_value, found_value in [("teacher", (want or {}).get("dtype"), teacher.get("dtype")),
-                                          *[(k, expect[k], found.get(k)) for k in sorted(set(expect) - {"teacher"})]]:
+                                          *[(k, expect[k], found.get(k, PrecomputeConfig.optional_defaults().get(k)))
+                                            for k in sorted(set(expect) - {"teacher"})]]:
         if want_value is not None and found_value != want_value:
             raise TargetsError(f"targets at {folder} were computed with another {settings.get(name, name)} "
                                f"({found_value!r}, this config: {want_value!r}): precompute with this config, or "

@@ -266,3 +266,43 @@ def test_no_flexattention_kernel_per_prompt_or_step(model, monkeypatch):
     assert shapes, "the patch no longer reaches FlexAttention: the test checks nothing"
     assert all(q[2] == k[2] for q, k in shapes), sorted(set(shapes))
     assert len(set(shapes)) <= 2, sorted(set(shapes))  # two batches, one dense prefill each
+
+
+def test_the_oracle_ranks_by_the_configured_target_definition(monkeypatch):
+    """``target_options`` (METHOD §2: ``group_reduce``, ``query_power``) reach the oracle's targets in teacher forcing,
+    in generation (row by row, chunked) and from the evaluation stage's config; β = 8 targets are the teacher pass's
+    and not the mean's."""
+    import types
+
+    from kvpop.targets import teacher_pass
+    from pipelines.config import load_config
+    from pipelines.eval_parts import evaluate_items
+
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp")
+    ids = torch.randint(1, 97, (2, 24))
+    powered = EV.teacher_targets(model, ids, [4], group_reduce="mean", query_power=8.0)[4]
+    torch.testing.assert_close(powered, teacher_pass(model, ids, [4], top_k=1, group_reduce="mean",
+                                                     query_power=8.0)["targets"][4], rtol=0, atol=0)
+    finite = torch.isfinite(powered)
+    assert (powered[finite] - EV.teacher_targets(model, ids, [4])[4][finite]).abs().max() > 0.1
+
+    calls, original = [], EV.teacher_targets
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(EV, "teacher_targets", spy)
+    options = {"group_reduce": "mean", "query_power": 8.0}
+    runs = [setting("oracle")]
+    EV.teacher_forced_items(model, list(ids), runs, target_options=options)
+    EV.generation_items(model, prompts(), runs, max_new_tokens=3, eos_id=None, target_options=options)
+    assert calls and all({k: c.get(k) for k in options} == options for c in calls), calls
+    assert calls[-1]["backend"] == "chunked"  # generation's rows, one length each
+
+    calls.clear()
+    cfg = load_config(None, ["model.path=/nowhere", "precompute.group_reduce=mean", "precompute.query_power=8"])
+    inputs = {"tokenizer": types.SimpleNamespace(pad_token_id=0, eos_token_id=None), "budgets": [BUDGET],
+              "sequences": [{"id": "a", "input_ids": ids[0].tolist()}], "samples": [], "problems": [], "prompts": []}
+    evaluate_items(cfg, inputs, model, progress=False, runs=runs)
+    assert calls and all({k: c.get(k) for k in options} == options for c in calls), calls

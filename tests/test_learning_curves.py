@@ -96,6 +96,9 @@ def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
     assert "--seq-len 48 (saved 64)" in fails(saved, "--seq-len", "48", "--checkpoints", later)
     message = fails(saved, "--scorer", "mlp", "--loss-options", "{}", "--checkpoints", later)
     assert "--scorer mlp (saved mlstm)" in message and '--loss-options {} (saved {"random_pairs": 2})' in message
+    assert "--query-power 8.0 (saved 1.0)" in fails(saved, "--query-power", "8", "--checkpoints", later)
+    assert "--query-power: query_power must be a finite number >= 1" in fails(saved, "--query-power", "0.5",
+                                                                               "--checkpoints", later)
     assert "training tokens already seen" in fails(saved, "--checkpoints", str(5 * TOKENS_PER_STEP))
     assert "no state.json" in fails(tmp_path, "--checkpoints", later)
     broken = tmp_path / "broken"
@@ -180,3 +183,13 @@ def test_epoch_order_resumes_where_it_stopped():
     second = curves.EpochOrder(5, seed=99)
     second.load(json.loads(json.dumps(first.state())))
     assert [second.take(2) for _ in range(4)] == drawn[3:]
+
+
+def test_a_study_saved_before_query_power_resumes_at_beta_one(tmp_path):
+    """Studies saved before ``--query-power`` existed trained on the mean (β = 1): they resume with it, not another."""
+    from pipelines.config import ConfigError
+
+    saved = {"seq_len": 64}
+    curves.check_resume(tmp_path, saved, {"seq_len": 64, "query_power": 1.0})
+    with pytest.raises(ConfigError, match="--query-power 8.0 \\(saved 1.0\\)"):
+        curves.check_resume(tmp_path, saved, {"seq_len": 64, "query_power": 8.0})

@@ -94,3 +94,23 @@ def test_bad_use_is_refused():
         scorer_only_step(model, ids, features="sparse")
     with pytest.raises(ValueError, match="keep may name"):
         teacher_pass(model, ids, [6], keep=("logits",))
+
+
+def test_query_power_reaches_the_online_targets():
+    """``query_power`` (METHOD §2) reaches the targets a scorer-only step trains on and those the precompute stage
+    stores: the brute force's power mean."""
+    from pipelines.precompute import compute_rows
+    from pipelines.store import target_column
+
+    base, model = retrofitted(scorer="mlp")
+    ids = torch.randint(0, 97, (2, S))
+    online = online_targets(model, ids, query_power=8.0, keep=("queries", "keys"))
+    stored = compute_rows(base, ids.numpy(), [6], top_k=4, query_power=8.0)[target_column(6)]  # the precompute's
+    torch.testing.assert_close(online["targets"], torch.from_numpy(stored).permute(1, 0, 2, 3), atol=1e-5, rtol=0)
+    for layer in range(2):
+        brute = future_attention_targets_dense(online["queries"][layer], online["keys"][layer], 6, query_power=8.0)
+        finite = torch.isfinite(brute)
+        torch.testing.assert_close(online["targets"][layer][finite], brute[finite], atol=1e-5, rtol=0)
+    step = scorer_only_step(model, ids, query_power=8.0)
+    torch.testing.assert_close(step["targets"], online["targets"], atol=0, rtol=0)
+    assert not torch.equal(scorer_only_step(model, ids)["targets"], online["targets"])

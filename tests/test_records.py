@@ -51,6 +51,24 @@ def test_keys_follow_the_settings_a_stage_output_depends_on(tmp_path):
         records.key_for(base, "sweep")
 
 
+def test_query_power_is_validated_and_keys_another_target_set(tmp_path):
+    """precompute.query_power (METHOD §2): a bad value is one ConfigError; another β is another precompute (and so
+    train) key, while β = 1 written out keeps the key of a config that never named it (targets made before it)."""
+    base = _cfg(tmp_path)
+    for value in ("0.5", "0", "nan", "inf"):
+        with pytest.raises(ConfigError, match="precompute.query_power must be a finite number >= 1"):
+            _cfg(tmp_path, f"precompute.query_power={value}")
+    with pytest.raises(ConfigError, match="precompute.query_power: expected a number"):
+        _cfg(tmp_path, "precompute.query_power=x")
+    assert _cfg(tmp_path, "precompute.query_power=8").precompute.query_power == 8.0  # one type: 8 and 8.0, one key
+    assert records.precompute_key(_cfg(tmp_path, "precompute.query_power=8")) == records.precompute_key(
+        _cfg(tmp_path, "precompute.query_power=8.0"))
+    assert records.precompute_key(_cfg(tmp_path, "precompute.query_power=1")) == records.precompute_key(base)
+    other = _cfg(tmp_path, "precompute.query_power=8")
+    assert records.precompute_key(other) != records.precompute_key(base)
+    assert records.train_key(other) != records.train_key(base)
+
+
 def test_the_trained_model_is_found_from_the_record_alone(tmp_path, monkeypatch):
     """Train's record names the model for the train stage's readers and for evaluate, without a tokenizer or a
     weight hash (both patched to fail)."""

@@ -2,6 +2,7 @@
 before the store had its own module (schema v1 as the precompute stage wrote it then) still read. No Ray here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -117,5 +118,30 @@ def test_identity_fields_are_checked_one_by_one(tmp_path):
             store.open_targets(tmp_path, expect=expect)
     with pytest.raises(store.TargetsError, match="not budget.window=4"):
         store.open_targets(tmp_path, windows=[4])
+    # query_power (METHOD §2) came later: a directory without it holds β = 1 targets, refused to a β = 8 reader
+    with pytest.raises(store.TargetsError, match="another precompute.query_power \\(1.0, this config: 8.0\\)"):
+        store.open_targets(tmp_path, expect={"query_power": 8.0})
+    store.open_targets(tmp_path, expect={"query_power": 1.0})
     # the name of the teacher's folder is not its identity
     store.open_targets(tmp_path, expect={"teacher": {**IDENTITY["teacher"], "name": "moved"}})
+
+
+def test_targets_of_another_query_power_are_refused(tmp_path):
+    """Targets made with β = 8 are another target set: a reader whose config has the default β = 1 (stated in its
+    training identity though left out of its directory's) refuses them, one with β = 8 reads them."""
+    _write(tmp_path, dataclasses.replace(_header(), identity={**IDENTITY, "query_power": 8.0}))
+    with pytest.raises(store.TargetsError, match="another precompute.query_power \\(8.0, this config: 1.0\\)"):
+        store.open_targets(tmp_path, expect={"query_power": 1.0})
+    store.open_targets(tmp_path, expect={"query_power": 8.0})
+
+
+def test_training_identity_states_the_default_query_power(tmp_path, monkeypatch):
+    from pipelines.config import load_config
+
+    monkeypatch.setattr(store, "target_identity", lambda cfg, tokenizer=None: {
+        "top_k": cfg.precompute.top_k, "windows": [2], **cfg.precompute.optional_settings()})
+    plain = load_config(None, [f"home={tmp_path}"])
+    assert "query_power" not in store.target_identity(plain)  # the directory key of β = 1 targets is unchanged
+    assert store.training_identity(plain) == {"top_k": plain.precompute.top_k, "query_power": 1.0}
+    powered = load_config(None, [f"home={tmp_path}", "precompute.query_power=8"])
+    assert store.training_identity(powered)["query_power"] == 8.0
