@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -146,14 +145,15 @@ def eval_overrides(args, cr: float, checkpoint: Path, baselines: dict[str, str])
             f"eval.generation_tokens={args.tokens}", f"eval.resamples={args.resamples}"]
 
 
-def write(args, name: str, device_type: str, base, torch_version: str, cost: dict, seconds: dict, results: list[dict]) -> None:
+def write(args, name: str, base, torch_version: str, cost: dict, seconds: dict, results: list[dict]) -> None:
     """``baselines_<device>[_<tag>].json`` and ``.md`` with the CRs evaluated so far."""
+    from benchmarks.naming import result_stem
     from pipelines import report
 
     seq_len = base.data.seq_len
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "baselines_" + ("h200" if "H200" in name else device_type) + (f"_{args.tag}" if args.tag else "")
+    stem = result_stem("baselines", name, args.tag)
     record = {"device": name, "config": Path(args.config).name, "overrides": args.set, "torch": torch_version,
               "seq_len": seq_len, "steps": args.steps, "dms_lr": args.dms_lr, "training": cost, "seconds": seconds,
               "results": results}
@@ -183,11 +183,12 @@ def main(argv=None) -> int:
     args = parse(argv)
     import torch
 
+    from benchmarks.naming import device_name
     from pipelines import evaluate, precompute, train
     from pipelines.config import load_config
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor() or 'x86'})"
+    name = device_name(device)
     base = load_config(args.config, args.set)
     seq_len = base.data.seq_len
     totals = {cr: int(round((1 - cr) * seq_len)) for cr in args.crs}
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
         metrics = json.loads((result.output_dir / "metrics.json").read_text())
         results.append({"CR": cr, "B": total, "eval_dir": str(result.output_dir), "mlflow_run": result.run_id,
                         "seconds": result.seconds, **metrics})
-        write(args, name, device.type, base, torch.__version__, cost, seconds, results)  # after every CR: a cut session keeps it
+        write(args, name, base, torch.__version__, cost, seconds, results)  # after every CR: a cut session keeps it
 
     say("done")
     return 0

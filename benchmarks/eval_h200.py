@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -139,10 +138,11 @@ def main(argv=None) -> int:
 
     from pipelines import evaluate, precompute, train
     from pipelines.config import load_config
+    from benchmarks.naming import device_name, result_stem
     from pipelines.recall import TASKS
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else f"cpu ({platform.processor() or 'x86'})"
+    name = device_name(device)
     tasks = args.tasks or list(TASKS)
     seconds = {}
     cfg = load_config(args.config, overrides(args, tasks, args.contexts, args.depths))
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     metrics = json.loads((result.output_dir / "metrics.json").read_text())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "eval_" + ("h200" if "H200" in name else device.type) + (f"_{args.tag}" if args.tag else "")
+    stem = result_stem("eval", name, args.tag)
     record = {"device": name, "config": Path(args.config).name, "overrides": overrides(args, *chosen),
               "torch": torch.__version__, "seq_len": cfg.data.seq_len, "eval_dir": str(result.output_dir),
               "mlflow_run": result.run_id, "calibration": calibration, "recall_evaluated": chosen,

@@ -36,6 +36,7 @@ def main(argv=None) -> int:
 
     import kvpop
     from kvpop import Budget
+    from benchmarks.naming import device_name, result_stem
     from kvpop import evaluation as runner
     from pipelines.recall import TaskSpec, generate_samples, score_text
 
@@ -71,8 +72,7 @@ def main(argv=None) -> int:
               + f" ({row['seconds']:.0f} s)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "needle_probe_" + ("h200" if "H200" in torch.cuda.get_device_name(0) else "cuda") if device.type == "cuda" \
-        else "needle_probe_cpu"
+    stem = result_stem("needle_probe", device_name(device))
     (out / f"{stem}.json").write_text(json.dumps({"checkpoint": args.checkpoint, "device": str(device),
                                                   "torch": torch.__version__, "rows": rows}, indent=1))
     names = list(rows[0]["hits"]) if rows else []

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import sys
 import time
 from pathlib import Path
@@ -141,10 +140,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from benchmarks.naming import device_name, result_stem
     from pipelines.config import load_config
 
     base_cfg = load_config(args.config, args.set)
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"cpu ({platform.processor() or 'x86'})"
+    device = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     variants = []
     for i, variant in enumerate(args.variants):
         print(f"[quality] variant {i + 1}/{len(args.variants)}: {variant}", flush=True)
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "quality_" + ("h200" if "H200" in device else "cuda" if torch.cuda.is_available() else "cpu")
+    stem = result_stem("quality", device)
     stem += f"_{args.tag}" if args.tag else ""
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=float))
     (out / f"{stem}.md").write_text(text)
