@@ -52,7 +52,9 @@ def main(argv=None) -> int:
         task, context, depth = cell.split(":")
         samples = generate_samples(TaskSpec(task, int(context), float(depth), args.samples, 0), tok)
         prompts = [s.prompt_ids for s in samples]
-        runs = [(name, [runner.Setting(name, budget)], {}) for name in args.policies if name != "oracle"]
+        # one call for the policies without targets (dense runs in every call: once here), one per oracle β
+        plain = [runner.Setting(name, budget) for name in args.policies if name != "oracle"]
+        runs = [(None, plain, {})] if plain else []
         if "oracle" in args.policies:
             runs += [(f"oracle β={b:g}", [runner.Setting("oracle", budget)], {"query_power": b})
                      for b in args.query_powers]
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
             found = runner.generation_items(model, prompts, settings, max_new_tokens=12, eos_id=tok.eos_token_id,
                                             pad_id=pad, batch_size=len(prompts), forced=None, target_options=options)
             for r in found:
-                name = "dense" if r["policy"] == "dense" else label
+                name = r["policy"] if label is None or r["policy"] == "dense" else label
                 text = tok.decode(r["tokens"], skip_special_tokens=True)
                 hits.setdefault(name, []).append(bool(score_text(samples[r["item"]], text)))
         row = {"cell": cell, "B": budget.total, "budget": str(budget), "seconds": time.perf_counter() - t0,
