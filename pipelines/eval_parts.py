@@ -74,7 +74,7 @@ def recall_samples(cfg: PipelineConfig, tokenizer, max_context: int | None) -> l
 
 def describe(cfg: PipelineConfig, p: dict) -> str:
     """The report's head: what was evaluated, how, and what the column names mean."""
-    base = p["budgets"][0]
+    base = p["base"]
     lines = [f"KVpop evaluation of {p['path']}",
              f"{len(p['sequences'])} held-out sequences of {p['seq_len']} tokens; CR = 1 - B/{p['seq_len']}; sink "
              f"{base.sink} and window {base.window} fixed, topk swept; streaming gets the same total as window",

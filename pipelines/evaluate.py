@@ -137,7 +137,8 @@ def plan(cfg: PipelineConfig) -> dict:
             identity["baselines"][name] = {"path": str(where), "files_sha256": folder_digest(where, cfg.home_dir())}
     key = fingerprint("kvpop.eval", FORMAT_VERSION, identity, length=16)
     return {"key": key, "identity": identity, "path": path, "tokenizer": tokenizer, "sequences": sequences,
-            "budgets": budgets, "samples": samples, "problems": problems, "prompts": prompts, "seq_len": seq_len}
+            "base": base, "budgets": budgets, "samples": samples, "problems": problems, "prompts": prompts,
+            "seq_len": seq_len}
 
 
 def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
@@ -162,9 +163,13 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     p["occupancy"] = {name: runner.dms_occupancy(m, [torch.tensor(s["input_ids"]) for s in p["sequences"]],
                                                  batch_size=cfg.eval.batch_size)
                       for name, m in baselines.items() if runtime_of(m).policy.ragged}
+    base = p["base"]
     extra = {o["B"] for o in p["occupancy"].values()} - {b.total for b in p["budgets"]}
+    unreachable = [*p["identity"]["unreachable"], *({"CR": 1 - t / p["seq_len"], "B": t, "reason": f"a ragged "
+                   f"baseline's mean retained B < sink + window = {base.sink + base.window}"}
+                   for t in sorted(extra) if t < base.sink + base.window)]
+    extra = {t for t in extra if t >= base.sink + base.window}
     if extra:  # every policy also runs at each ragged baseline's matched budget: paired rows at the same B
-        base = p["budgets"][0]
         p["budgets"] = sorted([*p["budgets"], *(Budget.from_total(t, sink=base.sink, window=base.window)
                                                 for t in extra)], key=lambda b: -b.total)
     finished = eval_parts.FinishedParts(parts_dir(out))
@@ -179,13 +184,13 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     summary["occupancy"] = p["occupancy"]
     labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text"}
     text = eval_parts.describe(cfg, p) + "\n" + report.format_report(summary, budgets, labels=labels,
-                                                         unreachable=p["identity"]["unreachable"])
+                                                         unreachable=unreachable)
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.json", json.dumps({**p["identity"], "config": cfg.to_dict()}, indent=1))
     atomic_write_text(out / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in items))
     atomic_write_text(out / "metrics.json", json.dumps({
-        "budgets": budgets, "unreachable": p["identity"]["unreachable"], "summary": summary,
+        "budgets": budgets, "unreachable": unreachable, "summary": summary,
         "labels": [{"policy": k[0], "B": k[1], "budget": v} for k, v in labels.items()]}, indent=1))
     atomic_write_text(out / "report.txt", text + "\n")
     report.save_figures(summary, budgets, out)
