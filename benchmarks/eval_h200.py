@@ -58,7 +58,8 @@ def parse(argv):
     p.add_argument("--task-samples", type=int, default=8, help="per cell")
     p.add_argument("--min-dense", type=float, default=0.9)
     p.add_argument("--prompts", type=int, default=32, help="long-generation prompts (0 = none)")
-    p.add_argument("--tokens", type=int, default=512, help="tokens per long generation")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per long generation (prompts are ~70-200 tokens: "
+                   "at 512, CR 75 %% never evicts)")
     p.add_argument("--generation-batch", type=int, default=64, help="prompts per generation batch (batched by length)")
     p.add_argument("--resamples", type=int, default=4000)
     p.add_argument("--tag", default="")
@@ -200,7 +201,8 @@ def main(argv=None) -> int:
 
     labels = {(x["policy"], x["B"]): x["budget"] for x in metrics["labels"]}
     tables = report.format_report(metrics["summary"], metrics["budgets"], labels=labels,
-                                  unreachable=metrics["unreachable"], markdown=True)
+                                  unreachable=metrics["unreachable"], evicting=metrics.get("generation_evicting"),
+                                  markdown=True)
     md = [f"# Evaluation with intervals ({name}, {Path(args.config).name})", "",
           f"S = {cfg.data.seq_len}; {cfg.data.eval_sequences} held-out sequences (TOVA / H2O on "
           f"{min(args.dynamic_sequences or cfg.data.eval_sequences, cfg.data.eval_sequences)}); recall: tasks {', '.join(chosen[0])}, contexts {chosen[1]}, depths "

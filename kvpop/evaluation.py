@@ -322,6 +322,17 @@ def cut_at_eos(tokens: Sequence[int], eos_id: int | None) -> list[int]:
     return tokens
 
 
+def evicting_share(prompt_lengths: Sequence[int], tokens: int, total: int) -> float:
+    """The share of the ``tokens`` greedy steps after each prompt taken while a cache of ``total`` slots has evicted:
+    step ``j`` (0-based) reads the prompt and ``j`` generated tokens, ``L + j`` in all, so it sees an eviction when
+    ``L + j > total``. At 0 no token was ever evicted: such a row differs from dense only by the bounded path's
+    arithmetic (in bf16, a noise floor), not by its policy."""
+    if tokens <= 0 or not prompt_lengths:
+        return 0.0
+    steps = sum(max(0, min(tokens, int(n) + tokens - total - 1)) for n in prompt_lengths)  # j > total - L
+    return steps / (len(prompt_lengths) * tokens)
+
+
 # ----------------------------------------------------------------------------------------------- item loops
 def _batches(count: int, size: int) -> Iterator[range]:
     for start in range(0, count, size):

@@ -172,6 +172,8 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     if extra:  # every policy also runs at each ragged baseline's matched budget: paired rows at the same B
         p["budgets"] = sorted([*p["budgets"], *(Budget.from_total(t, sink=base.sink, window=base.window)
                                                 for t in extra)], key=lambda b: -b.total)
+    p["evicting"] = {b.total: runner.evicting_share([len(ids) for ids in p["prompts"]], cfg.eval.generation_tokens,
+                                                    b.total) for b in p["budgets"]} if p["prompts"] else {}
     finished = eval_parts.FinishedParts(parts_dir(out))
     items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress, finished=finished)
     for name, baseline in baselines.items():
@@ -184,13 +186,13 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     summary["occupancy"] = p["occupancy"]
     labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text"}
     text = eval_parts.describe(cfg, p) + "\n" + report.format_report(summary, budgets, labels=labels,
-                                                         unreachable=unreachable)
+                                                         unreachable=unreachable, evicting=p["evicting"])
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.json", json.dumps({**p["identity"], "config": cfg.to_dict()}, indent=1))
     atomic_write_text(out / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in items))
     atomic_write_text(out / "metrics.json", json.dumps({
-        "budgets": budgets, "unreachable": unreachable, "summary": summary,
+        "budgets": budgets, "unreachable": unreachable, "summary": summary, "generation_evicting": p["evicting"],
         "labels": [{"policy": k[0], "B": k[1], "budget": v} for k, v in labels.items()]}, indent=1))
     atomic_write_text(out / "report.txt", text + "\n")
     report.save_figures(summary, budgets, out)

@@ -218,10 +218,12 @@ def _pipes(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None = None,
-                  unreachable: Sequence[dict] = (), markdown: bool = False) -> str:
+                  unreachable: Sequence[dict] = (), evicting: dict | None = None, markdown: bool = False) -> str:
     """The report: per part a table per budget (mean [95 % interval] per metric), the paired differences, the KL gap
     closed, the recall cells, and closing sentences on which differences are resolved. ``labels``: ``{(policy, B):
-    budget string}`` for the budget column. ``markdown``: pipe tables and ``###`` headings instead of plain text."""
+    budget string}`` for the budget column. ``evicting``: ``{B: share of generated tokens taken after an eviction}``
+    (:func:`kvpop.evaluation.evicting_share`), said above the generation tables. ``markdown``: pipe tables and
+    ``###`` headings instead of plain text."""
     table = _pipes if markdown else _grid
     heading = (lambda text: ["", f"### {text}", ""]) if markdown else (lambda text: ["", f"== {text}"])
     labels = labels or {}
@@ -238,6 +240,10 @@ def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None
         n_items = max(e["n"] for e in summary["metrics"] if e["part"] == part)
         lines += heading(f"{PART_TITLES[part]}: mean [95% bootstrap interval over up to {n_items} "
                          f"{ITEM_NAMES[part]}]")
+        if part == "generation" and evicting:
+            lines += ["", "Share of generated tokens taken after an eviction (prompt + generated > B): " + ", ".join(
+                f"B = {b} {share:.0%}" for b, share in evicting.items()) + ". At 0 % a row differs from dense by "
+                "arithmetic alone (the bounded path's noise floor; a distilled model's by its weights too)."]
         for budget in budgets:
             policies = sorted({e["policy"] for e in summary["metrics"] if e["part"] == part and e["B"] == budget["B"]},
                               key=_order)

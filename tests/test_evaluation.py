@@ -306,3 +306,18 @@ def test_the_oracle_ranks_by_the_configured_target_definition(monkeypatch):
               "sequences": [{"id": "a", "input_ids": ids[0].tolist()}], "samples": [], "problems": [], "prompts": []}
     evaluate_items(cfg, inputs, model, progress=False, runs=runs)
     assert calls and all({k: c.get(k) for k in options} == options for c in calls), calls
+
+
+def test_evicting_share_counts_the_steps_that_read_past_the_budget():
+    def brute(lengths, tokens, total):  # step j reads prompt + j generated tokens: past the budget when L + j > B
+        return sum(n + j > total for n in lengths for j in range(tokens)) / (len(lengths) * tokens)
+
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        lengths = torch.randint(1, 40, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen).tolist()
+        tokens, total = (int(torch.randint(0, 30, (1,), generator=gen)) for _ in range(2))
+        assert EV.evicting_share(lengths, tokens, total) == pytest.approx(brute(lengths, tokens, total) if tokens
+                                                                          else 0.0)
+    assert EV.evicting_share([100, 200], 512, 1024) == 0.0  # the H200 run's CR 75 %: nothing ever evicted
+    assert EV.evicting_share([10], 4, 10) == 0.75  # steps 1-3 read 11-13 tokens: past B = 10
+    assert EV.evicting_share([11], 4, 10) == 1.0 and EV.evicting_share([], 4, 10) == 0.0

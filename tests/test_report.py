@@ -87,6 +87,10 @@ def test_undefined_values_headline_cells_and_budget_free_dense():
     by = {(m["policy"], m["metric"]): m for m in summary["metrics"]}
     assert by[("dense", "gen_divergence")]["estimate"] == 9 and by[("dense", "gen_divergence")]["B"] == 100
     assert by[("streaming", "gen_solved_where_dense")]["n"] == 3
+    text = R.format_report(summary, BUDGETS[:1], evicting={"100": 0.0})  # a JSON round trip's keys: strings
+    assert "after an eviction (prompt + generated > B): B = 100 0%. At 0 % a row differs from dense by arithmetic" \
+        in text.replace("\n", " ")
+    assert "after an eviction" not in R.format_report(summary, BUDGETS[:1])
     assert by[("streaming", "gen_solved_where_dense")]["estimate"] == pytest.approx(1 / 3)
     assert by[("streaming", "recall_exact")]["n"] == 4  # the headline cell's samples only
     assert by[("streaming", "recall_exact")]["estimate"] == 0.5
