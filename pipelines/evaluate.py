@@ -97,6 +97,18 @@ def resolve_budgets(base: Budget, seq_len: int, totals=(), ratios=()) -> tuple[l
     return budgets, unreachable
 
 
+def matched_budgets(base: Budget, budgets: list[Budget], totals, seq_len: int) -> tuple[list[Budget], list[dict]]:
+    """``budgets`` plus a budget at each ragged baseline's matched total (its mean retained tokens), so that every
+    policy has a paired row there; largest first. A total below ``base``'s sink + window goes to ``unreachable``
+    (every CR asked for may be unreachable too: ``base`` is the checkpoint's, not ``budgets[0]``)."""
+    floor = base.sink + base.window
+    extra = sorted(set(int(t) for t in totals) - {b.total for b in budgets})
+    unreachable = [{"CR": 1 - t / seq_len, "B": t, "reason": f"a ragged baseline's mean retained B < sink + "
+                    f"window = {floor}"} for t in extra if t < floor]
+    added = [Budget.from_total(t, sink=base.sink, window=base.window) for t in extra if t >= floor]
+    return sorted([*budgets, *added], key=lambda b: -b.total), unreachable
+
+
 def _digest(rows) -> str:
     return fingerprint([list(map(int, r)) for r in rows], length=32)
 
@@ -163,15 +175,9 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     p["occupancy"] = {name: runner.dms_occupancy(m, [torch.tensor(s["input_ids"]) for s in p["sequences"]],
                                                  batch_size=cfg.eval.batch_size)
                       for name, m in baselines.items() if runtime_of(m).policy.ragged}
-    base = p["base"]
-    extra = {o["B"] for o in p["occupancy"].values()} - {b.total for b in p["budgets"]}
-    unreachable = [*p["identity"]["unreachable"], *({"CR": 1 - t / p["seq_len"], "B": t, "reason": f"a ragged "
-                   f"baseline's mean retained B < sink + window = {base.sink + base.window}"}
-                   for t in sorted(extra) if t < base.sink + base.window)]
-    extra = {t for t in extra if t >= base.sink + base.window}
-    if extra:  # every policy also runs at each ragged baseline's matched budget: paired rows at the same B
-        p["budgets"] = sorted([*p["budgets"], *(Budget.from_total(t, sink=base.sink, window=base.window)
-                                                for t in extra)], key=lambda b: -b.total)
+    p["budgets"], matched_unreachable = matched_budgets(p["base"], p["budgets"], [o["B"] for o in
+                                                                                p["occupancy"].values()], p["seq_len"])
+    unreachable = [*p["identity"]["unreachable"], *matched_unreachable]
     p["evicting"] = {b.total: runner.evicting_share([len(ids) for ids in p["prompts"]], cfg.eval.generation_tokens,
                                                     b.total) for b in p["budgets"]} if p["prompts"] else {}
     finished = eval_parts.FinishedParts(parts_dir(out))

@@ -28,6 +28,16 @@ def test_resolve_budgets():
         E.resolve_budgets(base, 512, totals=(30,))
 
 
+def test_matched_budgets_of_ragged_baselines():
+    base = Budget(4, 32, 96)
+    got, unreachable = E.matched_budgets(base, [Budget(4, 32, 220)], [256, 130, 30, 256], 512)
+    assert got == [Budget(4, 32, 220), Budget(4, 32, 94)]  # 256 is there already; 130 added, largest first
+    assert unreachable == [{"CR": 1 - 30 / 512, "B": 30, "reason": "a ragged baseline's mean retained B < sink + "
+                            "window = 36"}]
+    assert E.matched_budgets(base, [], [30], 512)[0] == []  # no CR reachable and the matched one below the floor
+    assert E.matched_budgets(base, [], [], 512) == ([], [])
+
+
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
