@@ -317,7 +317,8 @@ class Targets:
         return [i for r in self.records for i in r.ids]
 
     def read_table(self, columns: list[str] | None = None) -> pa.Table:
-        """All rows as one table (small data and tests; training streams the files through Ray Data)."""
+        """All rows as one table (small data and tests; training reads the files through Ray Data,
+        :func:`pipelines.train.training_dataset`)."""
         return pa.concat_tables([pq.read_table(f, columns=columns) for f in self.files])
 
 

@@ -142,6 +142,27 @@ def make_spec(cfg: PipelineConfig, targets: store.Targets, name: str, storage: P
         save_final=save_final)
 
 
+def training_dataset(targets: store.Targets, columns: list[str], copies: int):
+    """``copies`` epochs of the target rows in file order, one Ray Dataset (the trainer reads it with
+    ``preserve_order``, so a resumed run can skip exactly the batches it trained on). Targets up to
+    :data:`READ_ONCE_BYTES` on disk are read once into the object store and every epoch comes from there: streamed,
+    each epoch's reads started only when the trainer asked for them and stalled it (~8 s per epoch on 2 cores, 106 s
+    of ``make run``'s 90 steps). Larger targets stream: the epochs are one execution, read again per epoch."""
+    import ray
+    from ray.data import DataContext
+
+    files = [str(f) for f in targets.files]
+    read_once = sum(os.path.getsize(f) for f in files) <= READ_ONCE_BYTES
+    options = DataContext.get_current().execution_options  # a Dataset keeps the context it was made in
+    before, options.preserve_order = options.preserve_order, True  # blocks in file order, whatever read ends first
+    try:
+        once = ray.data.read_parquet(files).select_columns(columns)  # not read_parquet(files * copies): Ray reads a
+        once = once.materialize() if read_once else once             # repeated path once (that was one epoch)
+        return once.union(*[once] * (copies - 1)) if copies > 1 else once
+    finally:
+        options.preserve_order = before
+
+
 def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *, callbacks: tuple = ()):
     """The ``TorchTrainer`` of one run: Ray Train's run name and storage are ``spec.run_dir`` (same pair → resume);
     ``callbacks``: Ray Train callbacks (a sweep passes Tune's ``TuneReportCallback``)."""
@@ -153,14 +174,7 @@ def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *
     columns = ["input_ids", *([spec.target_column] if spec.target_column else []), "topk_values", "topk_indices"]
     rows_needed = t.steps * t.batch_size * t.num_workers
     copies = -(-rows_needed // targets.num_rows) + 1  # epochs, in one pass (see train_worker._batches)
-    files = [str(f) for f in targets.files]
-    if sum(os.path.getsize(f) for f in files) <= READ_ONCE_BYTES:
-        # read once into the object store, every epoch from there: streamed, each epoch's reads started only when the
-        # trainer asked for them and stalled it (8 s per epoch on 2 cores, 106 s of `make run`'s 90 steps)
-        once = ray.data.read_parquet(files).select_columns(columns).materialize()
-        dataset = once.union(*[once] * (copies - 1)) if copies > 1 else once
-    else:
-        dataset = ray.data.read_parquet(files * copies).select_columns(columns)
+    dataset = training_dataset(targets, columns, copies)
     ingest = ray.train.DataConfig.default_ingest_options()
     ingest.preserve_order = True  # the same batch order on a restart (a resumed run skips what it already saw)
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}

@@ -106,6 +106,21 @@ def _driver(cfg, ray_address: str, crash_at: str, tmp_path) -> subprocess.Comple
 
 
 @pytest.mark.ray
+@pytest.mark.parametrize("read_once", [True, False])
+def test_training_rows_come_in_file_order_every_epoch(tiny_targets, monkeypatch, read_once):
+    from ray.data import DataContext
+
+    targets = store.open_targets(tiny_targets[1].path)
+    if not read_once:
+        monkeypatch.setattr(train, "READ_ONCE_BYTES", 0)
+    dataset = train.training_dataset(targets, ["input_ids"], copies=3)
+    assert not DataContext.get_current().execution_options.preserve_order  # the driver's context as it was
+    got = [list(row["input_ids"][:8]) for row in dataset.iter_rows()]
+    rows = [row[:8] for row in targets.read_table(["input_ids"]).column("input_ids").to_pylist()]
+    assert got == rows * 3 and len(rows) == targets.num_rows
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 def test_the_mlflow_run_is_committed_exactly_once_whatever_point_the_driver_dies_at(
         tiny_targets, tiny_setup, tmp_path, ray_cluster, monkeypatch):
