@@ -460,12 +460,13 @@ def summarize_records(records: list[dict], budgets: list[dict], resamples: int, 
     return summary
 
 
-def diagnostics(model, eval_ids, eval_topks, batch: int, query_power: float = 1.0) -> dict:
-    """Held-out decision / kept-set / rank diagnostics against the training targets, means per layer and overall."""
+def diagnostics(model, eval_ids, eval_topks, batch: int, target_options: dict | None = None) -> dict:
+    """Held-out decision / kept-set / rank diagnostics against the training targets (``target_options``: their
+    definition, :meth:`pipelines.config.PrecomputeConfig.target_options`), means per layer and overall."""
     from kvpop.diagnostics import diagnose_model, summarize as per_layer
 
     summary = per_layer(diagnose_model(model, eval_ids, topks=eval_topks, batch_size=batch,
-                                       target_options={"query_power": query_power}))
+                                       target_options=target_options))
     out = {"spearman": {rule: v.nanmean().item() for rule, v in summary["spearman"].items()}, "budgets": {}}
     for budget, views in summary["budgets"].items():
         cell = out["budgets"][budget] = {}
@@ -643,7 +644,7 @@ def run(args) -> dict:
                  "session": len(result["meta"]["sessions"]), "records": found,
                  "summary": summarize_records(refs + found, budgets, args.resamples, args.seed, policy="kvpop"),
                  "diagnostics": diagnostics(model, eval_ids, [b.topk for b in eval_budgets], args.eval_batch,
-                                            args.query_power)}
+                                            cfg.precompute.target_options())}
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
         result["points"].append(point)
         print(f"[curves] {describe_point(point, train_budget)} (eval {point['eval_s']}s)", flush=True)

@@ -100,6 +100,11 @@ class PrecomputeConfig:
     def optional_defaults(cls) -> dict:
         return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.OPTIONAL}
 
+    def target_options(self) -> dict:
+        """The target definition (METHOD §2) as :func:`kvpop.targets.teacher_pass` and the oracle take it: what a
+        scorer trained on these targets is evaluated and diagnosed against."""
+        return {"group_reduce": self.group_reduce, "query_power": self.query_power}
+
     def optional_settings(self) -> dict:
         """The :data:`OPTIONAL` settings that differ from their default."""
         return {k: getattr(self, k) for k, default in self.optional_defaults().items() if getattr(self, k) != default}

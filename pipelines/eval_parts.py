@@ -132,8 +132,7 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     runs = runner.settings(ev.policies, inputs["budgets"]) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-    oracle = {"group_reduce": cfg.precompute.group_reduce,  # the target definition the scorer was trained on
-              "query_power": cfg.precompute.query_power}
+    oracle = cfg.precompute.target_options()  # the target definition the scorer was trained on
     generation = dict(eos_id=tok.eos_token_id, pad_id=pad, batch_size=ev.generation_batch_size, reference=reference,
                       target_options=oracle)
     records, seconds = [], {}
