@@ -64,6 +64,15 @@ def parse(argv):
     p.add_argument("--kvpop-steps", type=int, default=None, help="KVpop scorer-only steps (default: the preset's)")
     p.add_argument("--kvpop-checkpoint", default="", help="the preset's trained KVpop scorer-only model (skips its "
                    "training; steps and tokens from its kvpop_train.json, GPU seconds not known here)")
+    p.add_argument("--methods", nargs="+", choices=METHODS[1:], default=list(METHODS[1:]),
+                   help="the trained methods to train and evaluate at each CR")
+    p.add_argument("--policies", nargs="+", default=["dense", "streaming", "kvpop"],
+                   help="the evaluation's policies on the main (scorer-only) model; add tova h2o oracle for every "
+                   "heuristic and the gap closed")
+    p.add_argument("--dynamic-sequences", type=int, default=32, help="TOVA / H2O on the first N held-out sequences")
+    p.add_argument("--eval-corpus", nargs="*", default=[], metavar="SOURCE",
+                   help="more held-out corpora (data.source, e.g. stdlib) the same models are evaluated on, text only "
+                   "(the models never saw them)")
     p.add_argument("--dms-lr", type=float, default=1e-3, help="learning rate of the DMS gates")
     p.add_argument("--batch", type=int, default=32, help="held-out sequences per teacher-forced batch")
     p.add_argument("--tasks", nargs="+", default=["niah_single", "niah_multikey_2"])
@@ -133,17 +142,23 @@ def checkpoint_cost(base, model_dir: Path) -> dict:
             "mean_step_s": None, "steps_logged": 0, "wall_seconds": 0.0, "policy": "kvpop", "mode": meta["mode"]}
 
 
-def eval_overrides(args, cr: float, checkpoint: Path, baselines: dict[str, str]) -> list[str]:
+def eval_overrides(args, cr: float, checkpoint: Path, baselines: dict[str, str], corpus: str = "") -> list[str]:
+    """The evaluation of one CR; ``corpus``: another held-out corpus (``data.source``), held-out text only (the
+    recall tasks and the champ problems do not depend on the corpus: the training corpus's evaluation has them)."""
     def as_list(values):
         return "[" + ",".join(str(v) for v in values) + "]"
 
-    return [f"eval.checkpoint={checkpoint}", f"eval.compression_ratios=[{cr}]", "eval.budgets=[]",
-            "eval.policies=[dense,streaming,kvpop]", f"eval.batch_size={args.batch}",
+    sets = [f"eval.checkpoint={checkpoint}", f"eval.compression_ratios=[{cr}]", "eval.budgets=[]",
+            f"eval.policies={as_list(args.policies)}", f"eval.batch_size={args.batch}",
+            f"eval.dynamic_sequences={args.dynamic_sequences}", "train.mode=scorer_only",  # the main model's mode
             "eval.baselines={" + ",".join(f"{k}: {v}" for k, v in baselines.items()) + "}",
             f"eval.tasks={as_list(args.tasks)}", f"eval.task_contexts={as_list(args.contexts)}",
             f"eval.task_depths={as_list(args.depths)}", f"eval.task_samples={args.task_samples}",
             f"eval.task_min_dense={args.min_dense}", f"eval.generation_prompts={args.prompts}",
             f"eval.generation_tokens={args.tokens}", f"eval.resamples={args.resamples}"]
+    if corpus:
+        sets += [f"data.source={corpus}", "eval.task_samples=0", "eval.generation_prompts=0"]
+    return sets
 
 
 def write(args, name: str, base, torch_version: str, cost: dict, seconds: dict, results: list[dict]) -> None:
@@ -173,7 +188,7 @@ def write(args, name: str, base, torch_version: str, cost: dict, seconds: dict, 
             f"{fmt(c['gpu_seconds'], '.0f')} | {c['wall_seconds']:.0f} |" for k, c in cost.items()], ""]
     for r in results:
         labels = {(x["policy"], x["B"]): x["budget"] for x in r["labels"]}
-        md += [f"## CR {r['CR']:.2%} (B = {r['B']})", "",
+        md += [f"## CR {r['CR']:.2%} (B = {r['B']}), held-out {r['corpus']}", "",
                report.format_report(r["summary"], r["budgets"], labels=labels, unreachable=r["unreachable"],
                                     evicting=r.get("generation_evicting"), markdown=True), ""]
     (out / f"{stem}.md").write_text("\n".join(md))
@@ -226,20 +241,23 @@ def main(argv=None) -> int:
         kv_dir = kv_result.model_dir
     for cr, total in totals.items():
         folders = {}
-        for method in METHODS[1:]:
+        for method in args.methods:
             cfg, result, spent = trained(method, total)
             cost[f"{method}@B{total}"] = training_cost(cfg, result, spent)
             folders[method] = str(result.model_dir)
-        cfg = load_config(args.config, [*args.set, *eval_overrides(args, cr, kv_dir, folders)])
-        say(f"part evaluate CR {cr:g}: start")
-        t = time.perf_counter()
-        result = evaluate.run(cfg, progress=False)
-        seconds[f"evaluate_cr{cr:g}"] = time.perf_counter() - t
-        say(f"part evaluate CR {cr:g}: {result.output_dir} ({seconds[f'evaluate_cr{cr:g}']:.0f} s)")
-        metrics = json.loads((result.output_dir / "metrics.json").read_text())
-        results.append({"CR": cr, "B": total, "eval_dir": str(result.output_dir), "mlflow_run": result.run_id,
-                        "seconds": result.seconds, **metrics})
-        write(args, name, base, torch.__version__, cost, seconds, results)  # after every CR: a cut session keeps it
+        for corpus in ["", *args.eval_corpus]:
+            cfg = load_config(args.config, [*args.set, *eval_overrides(args, cr, kv_dir, folders, corpus)])
+            label = f"CR {cr:g} on {cfg.data.source}"
+            say(f"part evaluate {label}: start")
+            t = time.perf_counter()
+            result = evaluate.run(cfg, progress=False)
+            key = f"evaluate_cr{cr:g}" + (f"_{corpus}" if corpus else "")
+            seconds[key] = time.perf_counter() - t
+            say(f"part evaluate {label}: {result.output_dir} ({seconds[key]:.0f} s)")
+            metrics = json.loads((result.output_dir / "metrics.json").read_text())
+            results.append({"CR": cr, "B": total, "corpus": cfg.data.source, "eval_dir": str(result.output_dir),
+                            "mlflow_run": result.run_id, "seconds": result.seconds, **metrics})
+            write(args, name, base, torch.__version__, cost, seconds, results)  # after each: a cut session keeps it
 
     say("done")
     return 0

@@ -2,7 +2,8 @@
 # One H200 session: the measurements the issues ask for, run in the background so that they outlive a device call.
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
-#   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines)
+#   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
+#    recipe learning_curves capacity)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -56,6 +57,14 @@ run_part() {
     # Its CUDA test runs first, logged, not gating.
     baselines)  python -m pytest -q -rs tests/test_evaluate_baselines.py -k cuda; \
                 python benchmarks/baselines_h200.py --out "$out" ${BASELINES_ARGS:-} ;;
+    # issue 12: the candidate recipe (configs/smollm2_recipe.yaml: KVpop + distill, β = 16 targets, trained at the
+    # evaluated budget) against streaming, TOVA, H2O and the oracle at CR 87.5 / 93.75 %, on champ (its training
+    # corpus: text, recall cells, generation) and on stdlib (held-out text of another kind); ~20 min.
+    # RECIPE_ARGS="--kvpop-checkpoint <the scorer-only model>" adds it as the kvpop row without training it here.
+    recipe)     python benchmarks/baselines_h200.py --config configs/smollm2_recipe.yaml --methods kvpop_distill \
+                  --crs 0.875 0.9375 --policies dense streaming tova h2o oracle kvpop --eval-corpus stdlib \
+                  --tasks niah_single niah_single_essay niah_multikey_2 --depths 0.1 0.5 --tag recipe \
+                  --out "$out" ${RECIPE_ARGS:-} ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -135,6 +135,8 @@ def _differences(values, metric, base, options) -> list[dict]:
         if policy == "dense":
             continue
         pairs = [("streaming", "streaming"), ("best_heuristic", best)]
+        if policy == "kvpop" or trained_baseline(policy):  # a trained policy against every heuristic, not only the
+            pairs += [(h, h) for h in HEURISTICS[1:] if h != best]  # best by point estimate (issue 12's acceptance)
         if policy == "kvpop":  # KVpop against each trained baseline's row (issue 13), on the same items
             pairs += [(other, other) for other in values if trained_baseline(other)]
         for vs, baseline in pairs:

@@ -13,7 +13,7 @@ BUDGETS = [{"B": 100, "CR": 0.8}, {"B": 64, "CR": 0.875}]
 
 def text_records(seed=0, n=24):
     """top1 / kl per sequence: kvpop better than streaming by a margin on every item, tova unresolved vs streaming,
-    oracle best; tova ran on the first 16 sequences only."""
+    oracle best, h2o worst; tova ran on the first 16 sequences only."""
     rng = random.Random(seed)
     out = []
     for item in range(n):
@@ -22,7 +22,7 @@ def text_records(seed=0, n=24):
             shift = 0.0 if total == 100 else -0.03
             values = {"streaming": difficulty + shift, "kvpop": difficulty + shift + 0.01 + rng.gauss(0, 0.002),
                       "tova": difficulty + shift + rng.gauss(0, 0.01), "oracle": difficulty + shift + 0.03,
-                      "dense": 1.0}
+                      "h2o": difficulty + shift - 0.02, "dense": 1.0}
             for policy, top1 in values.items():
                 if policy == "tova" and item >= 16:
                     continue
@@ -115,11 +115,17 @@ def test_report_wording_follows_the_intervals():
             continue
         sentence = next(line for line in text.splitlines()
                         if line.startswith(f"At B = {d['B']} (CR {R.percent(d['CR'])}), {d['policy']} vs "
-                                           f"{'streaming' if d['vs'] == 'streaming' else 'the best heuristic'}"))
+                                           f"{R._vs_label(d['vs'])}"))
         label = R._metric(d["metric"]).label
         word = next(w for w in ("above", "below", "not resolved", "identical")
                     if f"{label} {w}" in sentence)
         assert (word in ("above", "below")) == d["resolved"], (d, sentence)
+    for metric in ("top1_agreement", "kl"):  # KVpop is paired with every heuristic that ran, not only the best
+        against = {d["baseline"] for d in summary["differences"] if (d["policy"], d["B"], d["metric"]) ==
+                   ("kvpop", 100, metric)}
+        assert against == {"streaming", "tova", "h2o"}, against
+        assert not {d["vs"] for d in summary["differences"] if d["policy"] == "oracle"} - {"streaming",
+                                                                                          "best_heuristic"}
     unresolved = R.sentences({"differences": [{"policy": "kvpop", "metric": "kl", "B": 64, "vs": "streaming",
                                                "baseline": "streaming", "estimate": 0.002, "lo": -0.001,
                                                "hi": 0.005, "n": 8, "sd": 0.01, "resolved": False,
