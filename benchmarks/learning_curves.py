@@ -151,6 +151,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", metavar="DIR", default="", help="continue the study saved in DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the cost of each scale and exit")
+    p.add_argument("--layers-plot", metavar="JSON", default="", help="draw <JSON stem>_layers.png (per-layer "
+                   "balanced accuracy) from a finished study's learning_curves_*.json and exit")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -913,6 +915,43 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def layers_plot(result: dict, path: Path) -> None:
+    """Per layer, the held-out balanced accuracy of the scorer's keep/evict decisions at each evaluated budget, at
+    three points of training (the first trained one, the one nearest 1M tokens, the last), next to newest-wins,
+    oldest-wins and random (0.5 by construction): "above newest-wins at every layer" in one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trained = [p for p in result["points"] if p["tokens"] > 0]
+    if not trained:
+        return
+    chosen = [trained[0], min(trained, key=lambda p: abs(math.log(p["tokens"] / 1e6))), trained[-1]]
+    chosen = [p for i, p in enumerate(chosen) if p not in chosen[:i]]
+    budgets = list(trained[-1]["diagnostics"]["budgets"])
+    fig, axes = plt.subplots(1, len(budgets), figsize=(6.5 * len(budgets), 3.8), squeeze=False)
+    for ax, budget in zip(axes[0], budgets):
+        for i, point in enumerate(chosen):
+            values = point["diagnostics"]["budgets"][budget]["scorer"]["balanced_accuracy_per_layer"]
+            ax.plot(range(len(values)), values, "o-", color=f"C{i}", markersize=3,
+                    label=f"scorer, {point['tokens'] / 1e6:.2f}M tokens")
+        last = trained[-1]["diagnostics"]["budgets"][budget]
+        for rule, color, style in (("newest", "C3", "--"), ("oldest", "C4", "--"), ("random", "0.5", ":")):
+            values = last[rule]["balanced_accuracy_per_layer"]
+            ax.plot(range(len(values)), values, color=color, linestyle=style, label=f"{rule}-wins" if rule !=
+                    "random" else "random")
+        ax.set_title(f"held-out keep/evict balanced accuracy per layer at {budget}", fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("balanced accuracy")
+        ax.set_ylim(0.4, 1.0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_outputs(result: dict, out: Path, tag: str) -> Path:
     """``<out>/learning_curves_<tag>.json`` (+ ``.md``, ``.png``), each written atomically."""
     from kvpop.files import atomic_write_text
@@ -923,7 +962,16 @@ def write_outputs(result: dict, out: Path, tag: str) -> Path:
     partial = stem.with_name(stem.name + ".tmp.png")
     plot(result, partial)
     os.replace(partial, stem.with_suffix(".png"))
+    write_layers_plot(result, stem)
     return stem
+
+
+def write_layers_plot(result: dict, stem: Path) -> None:
+    """``<stem>_layers.png`` (:func:`layers_plot`), written atomically."""
+    partial = stem.with_name(stem.name + "_layers.tmp.png")
+    layers_plot(result, partial)
+    if partial.exists():
+        os.replace(partial, stem.with_name(stem.name + "_layers.png"))
 
 
 def main(argv=None) -> int:
@@ -931,6 +979,11 @@ def main(argv=None) -> int:
     if args.plan:
         for row in plan(args.checkpoints, args.seq_len):
             print(row)
+        return 0
+    if args.layers_plot:
+        source = Path(args.layers_plot)
+        write_layers_plot(json.loads(source.read_text()), source.with_suffix(""))
+        print(f"wrote {source.with_suffix('')}_layers.png")
         return 0
     from jobs._cli import fail
     from pipelines.config import ConfigError

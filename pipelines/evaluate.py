@@ -43,7 +43,7 @@ from kvpop import evaluation as runner
 from kvpop.retrofit import runtime_of
 from kvpop.files import atomic_write_text
 from kvpop.retrofit import saved_model_config
-from pipelines import eval_parts, records, report, tracking
+from pipelines import eval_parts, records, report, stats, tracking
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
 from pipelines.data import load_tokenizer
@@ -208,6 +208,30 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     shutil.rmtree(parts_dir(out), ignore_errors=True)  # predictions.jsonl holds every record now
     records.commit(cfg, "evaluate", {"output_dir": str(out), "mlflow_run_id": run_id})  # the hand-over, last
     return EvalResult(out, summary, text, run_id, seconds, False)
+
+
+def parts_summary(folder: Path, seq_len: int, *, resamples: int = stats.RESAMPLES,
+                  markdown: bool = False) -> tuple[dict, str]:
+    """The summary and report of what an *unfinished* evaluation finished: the records of every part in its
+    ``<key>.parts`` folder (``<part>.json``; a trained baseline's ``<name>.<part>.json``, renamed to its row ``name``
+    as :func:`pipelines.eval_parts.baseline_items` does), at the budgets its text records hold. A session cut short
+    keeps these; this says what they show without the models (the intervals are the complete run's, over fewer parts:
+    a part that did not finish has no rows)."""
+    files = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if not files:
+        raise ConfigError(f"{folder}: no finished evaluation parts (<part>.json) there")
+    items, names = [], []
+    for path in files:
+        name, _, part = path.stem.rpartition(".")
+        found = json.loads(path.read_text())["records"]
+        items += [r if not name else {**r, "policy": name} for r in found if not (name and r["policy"] == "dense")]
+        names.append(path.stem)
+    totals = sorted({r["B"] for r in items if r["part"] == "text" and r["B"] is not None}, reverse=True)
+    budgets = [{"B": b, "CR": 1 - b / seq_len} for b in totals]
+    summary = report.summarize(items, budgets, resamples=resamples)
+    text = (f"Unfinished evaluation {folder}: finished parts {', '.join(names)}\n"
+            + report.format_report(summary, budgets, markdown=markdown))
+    return summary, text
 
 
 def parts_dir(out: Path) -> Path:

@@ -163,6 +163,19 @@ def test_a_run_cut_off_keeps_the_parts_it_finished(setup, monkeypatch):
     assert not (out / "complete.json").exists()
     kept = json.loads((E.parts_dir(out) / "text.json").read_text())
     assert not (E.parts_dir(out) / "recall.json").exists() and len(kept["records"]) == 5 * 5 * 2
+    # what the cut-off run finished, reported without the model: a baseline's part becomes rows of its own name
+    seq_len = len(E.plan(cfg)["sequences"][0]["input_ids"])
+    streaming = [r for r in kept["records"] if r["policy"] in ("dense", "streaming")]  # a baseline's own part
+    (E.parts_dir(out) / "sp.text.json").write_text(json.dumps({"seconds": 1.0, "records": streaming}))
+    summary, text = E.parts_summary(E.parts_dir(out), seq_len, resamples=200)
+    by = {(m["policy"], m["B"], m["metric"]): m["estimate"] for m in summary["metrics"]}
+    totals = sorted({r["B"] for r in kept["records"] if r["B"] is not None})
+    assert {b for _, b, _ in by} == set(totals) and "finished parts sp.text, text" in text
+    assert all(by[("sp", b, "kl")] == by[("streaming", b, "kl")] for b in totals)
+    assert sum(m["policy"] == "dense" for m in summary["metrics"]) == len(totals) * 3  # top1, kl, acc; not twice
+    (E.parts_dir(out) / "sp.text.json").unlink()
+    with pytest.raises(ConfigError, match="no finished evaluation parts"):
+        E.parts_summary(out / "nowhere", seq_len)
 
     def no_forcing(*args, **kwargs):
         raise AssertionError("the finished text part ran again")

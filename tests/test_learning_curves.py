@@ -157,6 +157,7 @@ def test_every_checkpoint_has_items_intervals_and_paired_differences(tiny_setup,
                 assert text in markdown
         assert {g["metric"] for g in summary["gap_closed"]} == {"kl", "top1_agreement"}
     assert (out / "learning_curves_t.png").stat().st_size > 0
+    assert (out / "learning_curves_t_layers.png").stat().st_size > 0  # per-layer balanced accuracy
 
 
 def test_shards_stay_under_the_limit_and_round_trip(tmp_path):
