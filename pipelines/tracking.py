@@ -30,16 +30,35 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+@contextlib.contextmanager
+def _store_lock(uri: str) -> Iterator[None]:
+    """Held while a process first opens a sqlite store: MLflow creates and migrates the schema on first open, and two
+    processes doing that at once on a new file fail ("Online migration expected to match one row …": the fourth GPU
+    session lost a part to it). Other stores (a server) need no lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def setup(cfg: PipelineConfig) -> str:
     """Point MLflow at the config's store and make sure the experiment exists; returns its id."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = cfg.tracking_uri()
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     mlflow.set_tracking_uri(uri)
-    experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+    with _store_lock(uri):  # the first query opens (creates, migrates) the store; it is cached afterwards
+        experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     if experiment is not None:
         if experiment.tags.get(EXPERIMENT_KIND_TAG) is None:  # made before the tag was set here
             mlflow.MlflowClient(uri).set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)

@@ -243,6 +243,19 @@ def test_the_experiment_is_a_machine_learning_one(tmp_path):
     assert mlflow.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path):
+    """Two stages started side by side on a fresh home (the fourth GPU session's recipe and baselines parts) both
+    create and migrate the sqlite store: without the lock one of them fails ("Online migration expected to match one
+    row", "table … already exists"; 4 processes fail every time here)."""
+    code = ("import sys; from pipelines import tracking; from pipelines.config import load_config; "
+            "print(tracking.setup(load_config(None, [f'home={sys.argv[1]}'])))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [proc.communicate(timeout=300) for proc in procs]
+    assert all(proc.returncode == 0 for proc in procs), [err.splitlines()[-1:] for _, err in results]
+    assert len({out.strip() for out, _ in results}) == 1  # one experiment, the same id everywhere
+
+
 def test_the_closing_line_says_how_to_open_the_runs():
     """A command that works as written (this interpreter's mlflow, not one on PATH) and the link that opens the runs
     (MLflow 3.17's UI otherwise starts on the GenAI overview)."""
