@@ -45,8 +45,24 @@ class ModelConfig:
         return smollm2_dir() if self.path == "smollm2" else Path(self.path).expanduser()
 
 
+class OptionalSettings:
+    """A config section whose :attr:`OPTIONAL` settings came after outputs keyed by it existed: they enter an output's
+    identity and key only away from their default (:func:`fingerprint` hashes the section without them there), so the
+    outputs made before them keep their keys; a reader takes an absent one as its default."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def optional_defaults(cls) -> dict:
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.OPTIONAL}
+
+    def optional_settings(self) -> dict:
+        """The :data:`OPTIONAL` settings that differ from their default."""
+        return {k: getattr(self, k) for k, default in self.optional_defaults().items() if getattr(self, k) != default}
+
+
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(OptionalSettings):
     source: str = "champ"  # "champ" (packaged math transcripts), "stdlib" (CPython's .py sources), a local dataset
     #                        folder / .jsonl / .parquet, or a hub name (see pipelines/data.py)
     text_field: str = "text"
@@ -57,18 +73,24 @@ class DataConfig:
     eval_sequences: int = 8  # held-out sequences (disjoint documents): the items of the evaluation's intervals
     packing: bool = True  # concatenate documents with EOS and cut into seq_len pieces; else truncate/drop short docs
     seed: int = 0
+    recall_mix: float = 0.0  # fraction of the training sequences given early facts and a question on one of them at
+    #                          the end (pipelines/planted.py); held-out sequences never
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("recall_mix",)
 
     def __post_init__(self):
         _require([(self.seq_len >= 8, "data.seq_len must be >= 8"),
                   (self.num_sequences >= 1, "data.num_sequences must be >= 1"),
-                  (self.eval_sequences >= 0, "data.eval_sequences must be >= 0")])
+                  (self.eval_sequences >= 0, "data.eval_sequences must be >= 0"),
+                  (0 <= self.recall_mix <= 1, f"data.recall_mix must be in [0, 1] (the fraction of training sequences "
+                                              f"given a planted fact), got {self.recall_mix}")])
 
 
 DEFAULT_BUDGET = Budget(sink=4, window=64, topk=32)  # the default run's B = 100 of S = 512 (CR 80%)
 
 
 @dataclass(frozen=True)
-class PrecomputeConfig:
+class PrecomputeConfig(OptionalSettings):
     windows: tuple[int, ...] = (64,)  # targets depend on the window only (METHOD §2)
     top_k: int = 64  # teacher top-K logits kept for distillation
     group_reduce: str = "max"
@@ -92,22 +114,12 @@ class PrecomputeConfig:
         except ValueError as err:
             raise ConfigError(f"precompute.{err}") from None
 
-    # settings that came after targets were first stored: in a target set's identity and key only away from their
-    # default, so targets (and records) made before them keep theirs; a reader takes an absent one as its default
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("query_power",)
-
-    @classmethod
-    def optional_defaults(cls) -> dict:
-        return {f.name: f.default for f in dataclasses.fields(cls) if f.name in cls.OPTIONAL}
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("query_power",)  # came after targets were first stored
 
     def target_options(self) -> dict:
         """The target definition (METHOD §2) as :func:`kvpop.targets.teacher_pass` and the oracle take it: what a
         scorer trained on these targets is evaluated and diagnosed against."""
         return {"group_reduce": self.group_reduce, "query_power": self.query_power}
-
-    def optional_settings(self) -> dict:
-        """The :data:`OPTIONAL` settings that differ from their default."""
-        return {k: getattr(self, k) for k, default in self.optional_defaults().items() if getattr(self, k) != default}
 
 
 @dataclass(frozen=True)
@@ -424,8 +436,12 @@ def apply_overrides(tree: dict, overrides: dict[str, Any]) -> PipelineConfig:
 
 
 def fingerprint(*parts: Any, length: int = 16) -> str:
-    """A stable hash of JSON-able parts (dataclasses included)."""
+    """A stable hash of JSON-able parts (dataclasses included; an :class:`OptionalSettings` section without its
+    optional settings at their default)."""
     def plain(x):
+        if isinstance(x, OptionalSettings):
+            unset = x.optional_defaults().keys() - x.optional_settings().keys()
+            return {k: v for k, v in dataclasses.asdict(x).items() if k not in unset}
         if dataclasses.is_dataclass(x):
             return dataclasses.asdict(x)
         if isinstance(x, Path):

@@ -22,10 +22,16 @@ token, and cut into consecutive pieces of ``seq_len`` tokens (a document may spa
 piece is dropped). **Truncation** (``packing: false``): each document with at least ``seq_len`` tokens gives its first
 ``seq_len`` tokens; shorter documents are skipped.
 
+**Planted recall** (``data.recall_mix``, default 0): ``round(recall_mix * num_sequences)`` *training* sequences, chosen
+with ``data.seed``, get 1–3 facts in [5 %, 50 %] of their length and a question on one of them, with its answer, as
+their last tokens (:mod:`pipelines.planted`: corpus tokens before the question are dropped to keep ``seq_len``; the
+``docs`` stay those of the cut sequence, plus ``"planted:<asked name>"``). Held-out sequences are never changed. The
+format shares no vocabulary with the evaluation's recall tasks (:mod:`pipelines.recall`).
+
 Each sequence is ``{"id": "<split>-<index:06d>", "input_ids": [...], "docs": [document ids it contains]}``. The result
 is cached under ``$KVPOP_HOME/data/sequences/<hash>/`` where the hash covers the source's content identity (package
-version, file digests, or hub name), the tokenizer, every data setting and the format version; ``meta.json`` is
-written last and marks a complete cache.
+version, file digests, or hub name), the tokenizer, every data setting and the format version (``recall_mix`` only
+when it is not 0, so caches made before it keep their hash); ``meta.json`` is written last and marks a complete cache.
 """
 from __future__ import annotations
 
@@ -49,6 +55,7 @@ from kvpop.pretrained import ModelConfigError, PretrainedMissingError, read_mode
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
 from pipelines.identity import file_digest, folder_digest, tokenizer_digest
 from pipelines.models import missing_message
+from pipelines.planted import Planter
 
 SPLITS = ("train", "eval")
 DATA_FORMAT_VERSION = 1
@@ -252,6 +259,21 @@ def build_sequences(docs: list[tuple[str, str]], tokenizer, *, seq_len: int, num
             for split, seqs in (("train", train_seqs), ("eval", eval_seqs))}
 
 
+def plant_recall(rows: list[dict], tokenizer, *, fraction: float, seed: int) -> list[dict]:
+    """``rows`` (the training split) with ``round(fraction * len(rows))`` of them, chosen with ``seed``, carrying
+    planted facts and a question (:mod:`pipelines.planted`); the others unchanged."""
+    chosen = random.Random(f"kvpop.recall_mix:{seed}").sample(range(len(rows)), round(fraction * len(rows)))
+    if not chosen:
+        return rows
+    planter = Planter(tokenizer, len(rows[0]["input_ids"]))
+    planted = list(rows)
+    for i in chosen:
+        row = rows[i]
+        ids, name = planter.plant(row["input_ids"], random.Random(f"kvpop.recall_mix:{seed}:{row['id']}"))
+        planted[i] = {**row, "input_ids": ids, "docs": [*row["docs"], f"planted:{name}"]}
+    return planted
+
+
 # ----------------------------------------------------------------------------------------------- cache
 def check_inputs(cfg: PipelineConfig) -> None:
     """What every stage can check before it writes anything, without Ray: the teacher folder is loadable
@@ -287,7 +309,7 @@ def data_fingerprint(cfg: PipelineConfig, tokenizer=None) -> str:
     d = cfg.data
     return fingerprint("kvpop.sequences", DATA_FORMAT_VERSION, source_identity(cfg), d.text_field, d.id_field,
                        d.split if d.source not in BUILTIN_SOURCES else "", d.seq_len, d.num_sequences, d.eval_sequences,
-                       d.packing, d.seed, tokenizer_digest(tokenizer))
+                       d.packing, d.seed, tokenizer_digest(tokenizer), *d.optional_settings().items())
 
 
 def sequences_dir(cfg: PipelineConfig, tokenizer=None) -> Path:
@@ -319,6 +341,7 @@ def load_sequences(cfg: PipelineConfig, split: str = "train", tokenizer=None) ->
     docs = load_documents(cfg)
     built = build_sequences(docs, tokenizer, seq_len=cfg.data.seq_len, num_train=cfg.data.num_sequences,
                             num_eval=cfg.data.eval_sequences, packing=cfg.data.packing, seed=cfg.data.seed)
+    built["train"] = plant_recall(built["train"], tokenizer, fraction=cfg.data.recall_mix, seed=cfg.data.seed)
     folder.mkdir(parents=True, exist_ok=True)
     for name, rows in built.items():
         _write_split(folder / f"{name}.parquet", rows)
