@@ -7,6 +7,7 @@ created by the driver with an absolute artifact location: created inside a Ray w
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -38,8 +39,6 @@ def _store_lock(uri: str) -> Iterator[None]:
     if not uri.startswith("sqlite:///"):
         yield
         return
-    import fcntl
-
     db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as handle:

@@ -246,11 +246,11 @@ def test_the_experiment_is_a_machine_learning_one(tmp_path):
 def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path):
     """Two stages started side by side on a fresh home (the fourth GPU session's recipe and baselines parts) both
     create and migrate the sqlite store: without the lock one of them fails ("Online migration expected to match one
-    row", "table … already exists"; 4 processes fail every time here)."""
+    row", "table … already exists"; of 2 processes, 1 or 2 fail every time here)."""
     code = ("import sys; from pipelines import tracking; from pipelines.config import load_config; "
             "print(tracking.setup(load_config(None, [f'home={sys.argv[1]}'])))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
     results = [proc.communicate(timeout=300) for proc in procs]
     assert all(proc.returncode == 0 for proc in procs), [err.splitlines()[-1:] for _, err in results]
     assert len({out.strip() for out, _ in results}) == 1  # one experiment, the same id everywhere
