@@ -924,6 +924,8 @@ def layers_plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from pipelines.scorer_diagnostics import per_layer_figure
+
     trained = [p for p in result["points"] if p["tokens"] > 0]
     if not trained:
         return
@@ -932,21 +934,17 @@ def layers_plot(result: dict, path: Path) -> None:
     budgets = list(trained[-1]["diagnostics"]["budgets"])
     fig, axes = plt.subplots(1, len(budgets), figsize=(6.5 * len(budgets), 3.8), squeeze=False)
     for ax, budget in zip(axes[0], budgets):
-        for i, point in enumerate(chosen):
-            values = point["diagnostics"]["budgets"][budget]["scorer"]["balanced_accuracy_per_layer"]
-            ax.plot(range(len(values)), values, "o-", color=f"C{i}", markersize=3,
-                    label=f"scorer, {point['tokens'] / 1e6:.2f}M tokens")
+        curves, styles = {}, {}
+        for color, point in zip(("C0", "C4", "C9"), chosen):
+            label = f"scorer, {point['tokens'] / 1e6:.2f}M tokens"
+            curves[label] = point["diagnostics"]["budgets"][budget]["scorer"]["balanced_accuracy_per_layer"]
+            styles[label] = (color, "-", "o")
         last = trained[-1]["diagnostics"]["budgets"][budget]
-        for rule, color, style in (("newest", "C3", "--"), ("oldest", "C4", "--"), ("random", "0.5", ":")):
-            values = last[rule]["balanced_accuracy_per_layer"]
-            ax.plot(range(len(values)), values, color=color, linestyle=style, label=f"{rule}-wins" if rule !=
-                    "random" else "random")
-        ax.set_title(f"held-out keep/evict balanced accuracy per layer at {budget}", fontsize=9)
-        ax.set_xlabel("layer")
-        ax.set_ylabel("balanced accuracy")
+        curves.update({rule: last[rule]["balanced_accuracy_per_layer"] for rule in ("newest", "oldest", "random")})
+        first = next(iter(curves.values()))
+        per_layer_figure(range(len(first)), curves, ax=ax, styles=styles,
+                         title=f"held-out keep/evict balanced accuracy per layer at {budget}")
         ax.set_ylim(0.4, 1.0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -200,15 +200,17 @@ def baseline_items(cfg: PipelineConfig, inputs: dict, name: str, model, referenc
         runs, start = [runner.Setting(policy.name, b) for b in inputs["budgets"]], None
     found, seconds = evaluate_items(cfg, inputs, model, reference, progress=progress, runs=runs, metric_start=start,
                                     finished=finished, prefix=f"{name}.")
-    records = []
-    for r in found:
-        if r["policy"] == "dense":
-            continue
-        r = {**r, "policy": name}
-        if policy.ragged:
+    records = baseline_rows(found, name)
+    if policy.ragged:
+        for r in records:
             r.update(B=occupancy["B"], budget=f"{policy.budget} mean {occupancy['mean']:.1f} peak {occupancy['peak']}")
-        records.append(r)
     return records, {f"{name}.{part}": s for part, s in seconds.items()}
+
+
+def baseline_rows(found: list[dict], name: str) -> list[dict]:
+    """A trained baseline's own records as rows named ``name`` (new dicts); its dense records are dropped: dense is
+    the main model's reference, whose records the main evaluation holds."""
+    return [{**r, "policy": name} for r in found if r["policy"] != "dense"]
 
 
 def recall_records(found: list[dict], samples: list, tokenizer, min_dense: float) -> list[dict]:

@@ -216,20 +216,20 @@ def parts_summary(folder: Path, seq_len: int, *, resamples: int = stats.RESAMPLE
     ``<key>.parts`` folder (``<part>.json``; a trained baseline's ``<name>.<part>.json``, renamed to its row ``name``
     as :func:`pipelines.eval_parts.baseline_items` does), at the budgets its text records hold. A session cut short
     keeps these; this says what they show without the models (the intervals are the complete run's, over fewer parts:
-    a part that did not finish has no rows)."""
+    a part that did not finish has no rows). A ragged baseline's (DMS's) rows stay at its policy's budget: the
+    occupancy that places them is measured with the model."""
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
     if not files:
         raise ConfigError(f"{folder}: no finished evaluation parts (<part>.json) there")
-    items, names = [], []
+    items = []
     for path in files:
-        name, _, part = path.stem.rpartition(".")
+        name = path.stem.rpartition(".")[0]  # "<name>.<part>" for a trained baseline, "<part>" for the main model
         found = json.loads(path.read_text())["records"]
-        items += [r if not name else {**r, "policy": name} for r in found if not (name and r["policy"] == "dense")]
-        names.append(path.stem)
+        items += eval_parts.baseline_rows(found, name) if name else found
     totals = sorted({r["B"] for r in items if r["part"] == "text" and r["B"] is not None}, reverse=True)
     budgets = [{"B": b, "CR": 1 - b / seq_len} for b in totals]
     summary = report.summarize(items, budgets, resamples=resamples)
-    text = (f"Unfinished evaluation {folder}: finished parts {', '.join(names)}\n"
+    text = (f"Unfinished evaluation {folder}: finished parts {', '.join(f.stem for f in files)}\n"
             + report.format_report(summary, budgets, markdown=markdown))
     return summary, text
 

@@ -40,8 +40,9 @@ def flat_metrics(report: dict, prefix: str = "diag") -> dict[str, float]:
 
 
 def per_layer_figure(layers, curves: dict, path=None, *, title: str = "", ylabel: str = "balanced accuracy",
-                     ax=None):
-    """One line per entry of ``curves`` (name -> value per layer); saved to ``path`` when given."""
+                     ax=None, styles: dict | None = None):
+    """One line per entry of ``curves`` (name -> value per layer); saved to ``path`` when given. ``styles``: name ->
+    (color, linestyle, marker) for names :data:`STYLE` does not cover (several scorers in one figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,7 +52,7 @@ def per_layer_figure(layers, curves: dict, path=None, *, title: str = "", ylabel
     if ax is None:
         fig, ax = plt.subplots(figsize=(8, 3.6))
     for name, values in curves.items():
-        color, style, marker = STYLE.get(name, ("C3", "-", "s"))  # anything else: a second scorer
+        color, style, marker = {**STYLE, **(styles or {})}.get(name, ("C3", "-", "s"))  # else: a second scorer
         ax.plot(list(layers), values, label=name, color=color, linestyle=style, marker=marker, markersize=3)
     ax.set_xlabel("layer")
     ax.set_ylabel(ylabel)
