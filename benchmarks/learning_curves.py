@@ -80,8 +80,8 @@ STORED_TRAIN_TPS = 40_000
 STUDY_ARGS = ("source", "seq_len", "sink", "window", "topk", "train_topks", "scorer", "scorer_options",
               "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed")
 # study settings that came after studies were first saved: the value a study saved without one ran with
-SAVED_BEFORE = {"query_power": 1.0}
-EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "heuristics", "dynamic_sequences", "recall_tasks",
+SAVED_BEFORE = {"query_power": 1.0, "eval_sources": []}
+EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences", "recall_tasks",
              "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens", "resamples")
 # The curves' metrics (pipelines.report names), their labels and digits (differences get one more).
 TEXT_METRICS = [("kl", "KL", 4), ("top1_agreement", "top-1", 4)]
@@ -125,6 +125,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps, then constant")
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--eval-sequences", type=int, default=32)
+    p.add_argument("--eval-sources", nargs="*", default=[], help="other corpora (data.source values) never trained "
+                   "on: the same text evaluation on --eval-sequences of each (its held-out split), at every point")
     p.add_argument("--eval-batch", type=int, default=16, help="held-out sequences per teacher-forced batch (TOVA / "
                    "H2O step a whole batch at once: fewer, larger batches are faster)")
     p.add_argument("--heuristics", nargs="*", default=["tova", "h2o"], choices=["tova", "h2o"],
@@ -190,8 +192,9 @@ def budgets_for(args):
     return train, evals, unreachable
 
 
-def study_config(args, train_sequences: int):
-    """The pipeline config whose data and eval sections this study uses (the held-out split, the recall cells)."""
+def study_config(args, train_sequences: int, source: str | None = None):
+    """The pipeline config whose data and eval sections this study uses (the held-out split, the recall cells);
+    ``source``: another corpus's (its held-out split only: a one-sequence training split)."""
     from pipelines.config import load_config
 
     def as_list(values):
@@ -199,9 +202,10 @@ def study_config(args, train_sequences: int):
 
     return load_config(None, [
         f"model.path={args.model}", f"budget.sink={args.sink}", f"budget.window={args.window}",
-        f"budget.topk={args.topk}", f"precompute.windows=[{args.window}]", f"data.source={args.source}",
+        f"budget.topk={args.topk}", f"precompute.windows=[{args.window}]", f"data.source={source or args.source}",
         f"data.seq_len={args.seq_len}", f"precompute.query_power={args.query_power}",
-        f"data.num_sequences={train_sequences}", f"data.eval_sequences={args.eval_sequences}", f"data.seed={args.seed}",
+        f"data.num_sequences={1 if source else train_sequences}", f"data.eval_sequences={args.eval_sequences}",
+        f"data.seed={args.seed}",
         f"eval.batch_size={args.eval_batch}", f"eval.dynamic_sequences={args.dynamic_sequences}",
         f"eval.tasks={as_list(args.recall_tasks)}", f"eval.task_contexts={as_list(args.recall_contexts)}",
         f"eval.task_depths={as_list(args.recall_depths)}", f"eval.task_samples={args.recall_samples}",
@@ -415,7 +419,7 @@ def check_resume(folder: Path, saved: dict, study: dict) -> None:
             return str(value)[:12] + "…"
         return json.dumps(value) if isinstance(value, (dict, list)) else str(value)
 
-    saved = {**SAVED_BEFORE, **saved}
+    saved, study = {**SAVED_BEFORE, **saved}, {**SAVED_BEFORE, **study}
     differ = [f"{flag(k)} {text(k, study.get(k))} (saved {text(k, saved.get(k))})"
               for k in sorted(set(saved) | set(study)) if saved.get(k) != study.get(k)]
     if differ:
@@ -538,6 +542,7 @@ class Study:
     total_steps: int
     tokenizer: object
     samples: list
+    corpora: dict  # --eval-sources: source -> its pipeline config (held-out split only)
 
 
 def open_study(args) -> Study:
@@ -562,6 +567,12 @@ def open_study(args) -> Study:
     pool = args.train_sequences or (manifest["study"]["train_sequences"] if manifest else total_steps * args.batch)
     cfg = study_config(args, pool)
     check_inputs(cfg)
+    if args.source in args.eval_sources:
+        raise ConfigError(f"--eval-sources: {args.source!r} is the training corpus (its held-out split is evaluated "
+                          f"anyway); name corpora the scorer never trains on")
+    corpora = {source: study_config(args, pool, source) for source in dict.fromkeys(args.eval_sources)}
+    for other in corpora.values():
+        check_inputs(other)
     base = cfg.model.resolved_path()
     base_sha256 = weights_digest(base)
     settings = study_settings(args, base_sha256, pool)
@@ -573,7 +584,7 @@ def open_study(args) -> Study:
     except ValueError as err:
         raise ConfigError(f"--recall-*: {err}") from None
     return Study(cfg, base, base_sha256, settings, resume, manifest, tokens_per_step, seen, checkpoints, total_steps,
-                 tokenizer, samples)
+                 tokenizer, samples, corpora)
 
 
 def run(args) -> dict:
@@ -583,6 +594,7 @@ def run(args) -> dict:
     import kvpop
     from kvpop.evaluation import Setting
     from kvpop.pretrained import load_pretrained
+    from pipelines.data import load_sequences
 
     started = time.perf_counter()
     study = open_study(args)
@@ -598,6 +610,9 @@ def run(args) -> dict:
     eval_ids = torch.tensor([r["input_ids"] for r in heldout], dtype=torch.long, device=device)
     inputs = {"tokenizer": study.tokenizer, "sequences": heldout, "budgets": eval_budgets, "samples": study.samples,
               "problems": [], "prompts": []}
+    # other corpora: text only, the same budgets; (their config, their inputs) per source
+    others = {source: (other, {**inputs, "sequences": load_sequences(other, "eval", study.tokenizer), "samples": []})
+              for source, other in study.corpora.items()}
     budgets = [{"B": b.total, "CR": 1 - b.total / args.seq_len, "budget": str(b)} for b in eval_budgets]
     print(f"[curves] {len(train_ids)} training / {len(heldout)} held-out sequences of {args.seq_len} ({data_s:.0f}s), "
           f"{len(study.samples)} recall samples; training to step {study.total_steps} ({tokens_per_step} tokens each)",
@@ -619,7 +634,13 @@ def run(args) -> dict:
         refs = evaluate_records(cfg, inputs, model, reference_runs(args, eval_budgets))
         result = {"references": {"records": refs, "seconds": round(time.perf_counter() - t0, 1),
                                  "summary": summarize_records(refs, budgets, args.resamples, args.seed)},
-                  "points": [], "meta": {"sessions": []}}
+                  "corpora": {}, "points": [], "meta": {"sessions": []}}
+        for source, (other, other_inputs) in others.items():
+            t0 = time.perf_counter()
+            refs = evaluate_records(other, other_inputs, model, reference_runs(args, eval_budgets))
+            result["corpora"][source] = {"references": {
+                "records": refs, "seconds": round(time.perf_counter() - t0, 1), "eval_sequences": len(other_inputs["sequences"]),
+                "summary": summarize_records(refs, budgets, args.resamples, args.seed)}}
         print(f"[curves] references: {result['references']['seconds']}s", flush=True)
     result["meta"].update(args=vars(args), study=study.settings, train_budget=str(train_budget),
                           eval_budgets=[str(b) for b in eval_budgets], budgets=budgets, unreachable=unreachable,
@@ -647,6 +668,12 @@ def run(args) -> dict:
                  "summary": summarize_records(refs + found, budgets, args.resamples, args.seed, policy="kvpop"),
                  "diagnostics": diagnostics(model, eval_ids, [b.topk for b in eval_budgets], args.eval_batch,
                                             cfg.precompute.target_options())}
+        point["corpora"] = {}
+        for source, (other, other_inputs) in others.items():
+            found = evaluate_records(other, other_inputs, model, [Setting("kvpop", b) for b in eval_budgets])
+            refs_other = result["corpora"][source]["references"]["records"]
+            point["corpora"][source] = {"records": found, "summary": summarize_records(
+                refs_other + found, budgets, args.resamples, args.seed, policy="kvpop")}
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
         result["points"].append(point)
         print(f"[curves] {describe_point(point, train_budget)} (eval {point['eval_s']}s)", flush=True)
@@ -691,10 +718,14 @@ def update_session(session: dict, trainer: Trainer, tokens_per_step: int) -> Non
 
 def describe_point(point: dict, train_budget) -> str:
     d = point["diagnostics"]["budgets"][str(train_budget)]["scorer"]
-    q = "; ".join(f"B {m['B']} {m['metric']} {m['estimate']:.4f}" for m in point["summary"]["metrics"]
-                  if m["metric"] in ("kl", "top1_agreement", "recall_exact"))
+
+    def quality(summary):
+        return "; ".join(f"B {m['B']} {m['metric']} {m['estimate']:.4f}" for m in summary["metrics"]
+                         if m["metric"] in ("kl", "top1_agreement", "recall_exact"))
+
+    others = "".join(f" | {source}: {quality(c['summary'])}" for source, c in point.get("corpora", {}).items())
     return (f"{tokens_label(point['tokens'])} tokens: BA {d['balanced_accuracy']:.4f} AUC {d['auc']:.4f} "
-            f"agree {d['agreement']:.4f}; {q}")
+            f"agree {d['agreement']:.4f}; {quality(point['summary'])}{others}")
 
 
 def _device_name(device) -> str:
@@ -780,6 +811,13 @@ def _cells_table(result: dict, B: int) -> list[str]:
     return lines
 
 
+def corpus_view(result: dict, source: str) -> dict:
+    """``result`` as seen on another corpus (``--eval-sources``): its references and, per point, its summary."""
+    return {"references": result["corpora"][source]["references"],
+            "points": [{**p, "summary": p["corpora"][source]["summary"]} for p in result["points"]
+                       if source in p.get("corpora", {})]}
+
+
 def render(result: dict) -> str:
     meta, points = result["meta"], result["points"]
     args, train_budget = meta["args"], meta["train_budget"]
@@ -823,9 +861,18 @@ def render(result: dict) -> str:
             else:
                 lines.append("No cell reaches the dense threshold: no headline recall numbers.")
             lines += ["", "Exact match per cell (every cell):", "", *_cells_table(result, b["B"])]
+    for source, corpus in result.get("corpora", {}).items():
+        view = corpus_view(result, source)
+        n = corpus["references"]["eval_sequences"]
+        for b in meta["budgets"]:
+            lines += ["", f"## `{source}` (never trained on), held-out text at B = {b['B']} ({b['budget']}, CR "
+                          f"{100 * b['CR']:g} %): mean [95 % interval] over {n} sequences", ""]
+            lines += _curve_table(view, b["B"], TEXT_METRICS, gaps=True)
     if points:
         lines += ["", f"## At the last point ({tokens_label(points[-1]['tokens'])} tokens)", "",
                   *(f"- {s}" for s in points[-1]["summary"]["sentences"])]
+        for source, corpus in points[-1].get("corpora", {}).items():
+            lines += [f"- `{source}`: {s}" for s in corpus["summary"]["sentences"]]
     lines += ["",
               "Training seconds to reach each scale: this driver (online targets, one run, at the throughput "
               "of its latest session) vs the stored path (precompute written at "

@@ -160,6 +160,44 @@ def test_every_checkpoint_has_items_intervals_and_paired_differences(tiny_setup,
     assert (out / "learning_curves_t_layers.png").stat().st_size > 0  # per-layer balanced accuracy
 
 
+def test_another_corpus_is_evaluated_at_every_point_against_its_own_references(tiny_setup, home, tmp_path, capsys):
+    from tests.models import write_docs
+
+    other = tmp_path / "other.jsonl"
+    write_docs(other, 30, seed=7, min_words=40, max_words=90)
+    out = tmp_path / "out"
+    assert curves.main(argv(tiny_setup, out, "--checkpoints", str(TOKENS_PER_STEP), "--eval-sources",
+                            str(other))) == 0
+    result = json.loads((out / "learning_curves_t.json").read_text())
+    B = result["meta"]["budgets"][0]["B"]
+    refs = result["corpora"][str(other)]["references"]["records"]
+    other_items = {r["item"] for r in refs if r["part"] == "text"}
+    assert len(other_items) == 3
+    streaming_kl = [sorted(r["kl"] for r in records if r["policy"] == "streaming")
+                    for records in (refs, result["references"]["records"])]
+    assert streaming_kl[0] != streaming_kl[1]  # another corpus's sequences (item names restart per corpus)
+    assert {r["policy"] for r in refs} == {"streaming", "oracle"}
+    markdown = (out / "learning_curves_t.md").read_text()
+    assert f"## `{other}` (never trained on), held-out text at B = {B}" in markdown
+    assert len(result["points"]) == 2
+    for point in result["points"]:
+        corpus = point["corpora"][str(other)]
+        mine = {r["item"]: r["kl"] for r in corpus["records"] if r["policy"] == "kvpop" and r["part"] == "text"}
+        assert set(mine) == other_items
+        entry = curves._find(corpus["summary"]["metrics"], metric="kl", B=B)
+        assert entry["estimate"] == pytest.approx(np.mean(list(mine.values())), abs=1e-6)
+        d = curves._find(corpus["summary"]["differences"], metric="kl", B=B, vs="streaming")
+        streaming = {r["item"]: r["kl"] for r in refs if r["policy"] == "streaming" and r["B"] == B}
+        ref = stats.paired_difference([round(mine[i], 6) for i in sorted(mine)],
+                                      [round(streaming[i], 6) for i in sorted(mine)], resamples=200)
+        assert (d["n"], d["estimate"]) == (3, pytest.approx(ref.estimate))
+        assert curves._difference(d, 5) in markdown
+    capsys.readouterr()
+    assert curves.main(argv(tiny_setup, out, "--eval-sources", str(tiny_setup / "docs.jsonl"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is the training corpus" in err, err
+
+
 def test_shards_stay_under_the_limit_and_round_trip(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = {f"layer.{i}.exp_avg": torch.randn(i + 1, 7, generator=generator) for i in range(12)}
