@@ -85,6 +85,7 @@ EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuris
              "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens", "resamples")
 # The curves' metrics (pipelines.report names), their labels and digits (differences get one more).
 TEXT_METRICS = [("kl", "KL", 4), ("top1_agreement", "top-1", 4)]
+HEURISTIC_NAMES = ("streaming", "tova", "h2o")
 RECALL_METRICS = [("recall_exact", "exact", 3), ("recall_gold_logprob", "gold logp", 2)]
 STATE_VERSION = 1
 STATE_FILE = "state.json"
@@ -153,8 +154,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", metavar="DIR", default="", help="continue the study saved in DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the cost of each scale and exit")
-    p.add_argument("--layers-plot", metavar="JSON", default="", help="draw <JSON stem>_layers.png (per-layer "
-                   "balanced accuracy) from a finished study's learning_curves_*.json and exit")
+    p.add_argument("--redraw", metavar="JSON", default="", help="rewrite <JSON stem>.md, .png and _layers.png "
+                   "from a study's JSON (after a change to the report), then exit")
     p.add_argument("--tag", default="h200")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -672,8 +673,12 @@ def run(args) -> dict:
         for source, (other, other_inputs) in others.items():
             found = evaluate_records(other, other_inputs, model, [Setting("kvpop", b) for b in eval_budgets])
             refs_other = result["corpora"][source]["references"]["records"]
+            other_ids = torch.tensor([r["input_ids"] for r in other_inputs["sequences"]], dtype=torch.long,
+                                     device=device)
             point["corpora"][source] = {"records": found, "summary": summarize_records(
-                refs_other + found, budgets, args.resamples, args.seed, policy="kvpop")}
+                refs_other + found, budgets, args.resamples, args.seed, policy="kvpop"),
+                "diagnostics": diagnostics(model, other_ids, [b.topk for b in eval_budgets], args.eval_batch,
+                                           other.precompute.target_options())}
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
         result["points"].append(point)
         print(f"[curves] {describe_point(point, train_budget)} (eval {point['eval_s']}s)", flush=True)
@@ -811,10 +816,46 @@ def _cells_table(result: dict, B: int) -> list[str]:
     return lines
 
 
+def _decisions_table(points: list[dict], budget: str) -> list[str]:
+    """Per point: the scorer's held-out keep/evict diagnostics at ``budget`` next to newest- / oldest-wins."""
+    lines = ["| tokens | BA | AUC | agreement | newest agr. | oldest agr. | overlap end | Spearman |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        d = p["diagnostics"]["budgets"][budget]
+        s = d["scorer"]
+        lines.append(f"| {tokens_label(p['tokens'])} | {s['balanced_accuracy']:.4f} | {s['auc']:.4f} | "
+                     f"{s['agreement']:.4f} | {d['newest']['agreement']:.4f} | {d['oldest']['agreement']:.4f} | "
+                     f"{s['overlap_end']:.3f} | {p['diagnostics']['spearman']['scorer']:.3f} |")
+    return lines
+
+
+def _versus_table(result: dict) -> list[str]:
+    """Per corpus, budget and text metric at the last point: KVpop, its paired difference to each heuristic, and the
+    share of the streaming → oracle gap it closes."""
+    last = result["points"][-1]
+    corpora = [(result["meta"]["args"]["source"], last["summary"]),
+               *((source, c["summary"]) for source, c in last.get("corpora", {}).items())]
+    head = ["corpus", "B", "metric", "KVpop", *(f"− {h}" for h in HEURISTIC_NAMES), "gap closed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for source, summary in corpora:
+        for b in result["meta"]["budgets"]:
+            for metric, label, digits in TEXT_METRICS:
+                versus = [_difference(_find(summary["differences"], metric=metric, B=b["B"], baseline=h), digits + 1)
+                          for h in HEURISTIC_NAMES]
+                lines.append("| " + " | ".join([source, str(b["B"]), label,
+                                                _span(_find(summary["metrics"], metric=metric, B=b["B"]), digits),
+                                                *versus,
+                                                _span(_find(summary["gap_closed"], metric=metric, B=b["B"]), 2)])
+                             + " |")
+    return lines
+
+
 def corpus_view(result: dict, source: str) -> dict:
-    """``result`` as seen on another corpus (``--eval-sources``): its references and, per point, its summary."""
+    """``result`` as seen on another corpus (``--eval-sources``): its references and, per point, its summary and
+    diagnostics (``None`` where a study predates them)."""
     return {"references": result["corpora"][source]["references"],
-            "points": [{**p, "summary": p["corpora"][source]["summary"]} for p in result["points"]
+            "points": [{**p, "summary": p["corpora"][source]["summary"],
+                        "diagnostics": p["corpora"][source].get("diagnostics")} for p in result["points"]
                        if source in p.get("corpora", {})]}
 
 
@@ -842,14 +883,12 @@ def render(result: dict) -> str:
              + (f" (TOVA / H2O on the first {args['dynamic_sequences']} sequences)"
                 if args["heuristics"] and args["dynamic_sequences"] else "") + ".", "",
              f"## Held-out keep/evict decisions at the training budget {train_budget}", "",
-             "| tokens | BA | AUC | agreement | newest agr. | oldest agr. | overlap end | Spearman |",
-             "|---|---|---|---|---|---|---|---|"]
-    for p in points:
-        d = p["diagnostics"]["budgets"][train_budget]
-        s = d["scorer"]
-        lines.append(f"| {tokens_label(p['tokens'])} | {s['balanced_accuracy']:.4f} | {s['auc']:.4f} | "
-                     f"{s['agreement']:.4f} | {d['newest']['agreement']:.4f} | {d['oldest']['agreement']:.4f} | "
-                     f"{s['overlap_end']:.3f} | {p['diagnostics']['spearman']['scorer']:.3f} |")
+             *_decisions_table(points, train_budget)]
+    for source in result.get("corpora", {}):
+        view = [p for p in corpus_view(result, source)["points"] if p.get("diagnostics")]
+        if view:
+            lines += ["", f"## `{source}` (never trained on): keep/evict decisions at {train_budget}", "",
+                      *_decisions_table(view, train_budget)]
     for b in meta["budgets"]:
         title = f"B = {b['B']} ({b['budget']}, CR {100 * b['CR']:g} %)"
         lines += ["", f"## Held-out text at {title}: mean [95 % interval] over {n_text} sequences", ""]
@@ -873,6 +912,8 @@ def render(result: dict) -> str:
                   *(f"- {s}" for s in points[-1]["summary"]["sentences"])]
         for source, corpus in points[-1].get("corpora", {}).items():
             lines += [f"- `{source}`: {s}" for s in corpus["summary"]["sentences"]]
+        lines += ["", "KVpop against each heuristic at the last point (paired over the items both have; TOVA / H2O "
+                      "on their subset):", "", *_versus_table(result)]
     lines += ["",
               "Training seconds to reach each scale: this driver (online targets, one run, at the throughput "
               "of its latest session) vs the stored path (precompute written at "
@@ -912,13 +953,13 @@ def plot(result: dict, path: Path) -> None:
     ax.plot(tokens, [x["oldest"]["agreement"] for x in d], "--", color="C2", label="oldest-wins")
     ax.set_title("raw agreement", fontsize=9)
 
-    def curve(ax, metric, B, color, label, kind="metrics", **match):
-        found = [_find(p["summary"][kind], metric=metric, B=B, **match) for p in points]
-        xs = [t for t, e in zip(tokens, found) if e]
+    def curve(ax, metric, B, color, label, kind="metrics", at=points, style="o-", **match):
+        found = [_find(p["summary"][kind], metric=metric, B=B, **match) for p in at]
+        xs = [max(p["tokens"], 1) for p, e in zip(at, found) if e]
         if not xs:
             return
         es = [e for e in found if e]
-        ax.plot(xs, [e["estimate"] for e in es], "o-", color=color, label=label)
+        ax.plot(xs, [e["estimate"] for e in es], style, color=color, label=label)
         ax.fill_between(xs, [e["lo"] for e in es], [e["hi"] for e in es], color=color, alpha=0.2, lw=0)
 
     def level(ax, metric, B, color, policy, style):
@@ -939,6 +980,11 @@ def plot(result: dict, path: Path) -> None:
         curve(ax, "kl", b["B"], f"C{i}", f"KL B={b['B']}", "differences", vs="streaming")
         curve(ax, "top1_agreement", b["B"], f"C{i + len(meta['budgets'])}", f"top-1 B={b['B']}", "differences",
               vs="streaming")
+        for source in result.get("corpora", {}):  # corpora never trained on: the same differences, dashed
+            view = corpus_view(result, source)["points"]
+            curve(ax, "kl", b["B"], f"C{i}", f"KL B={b['B']} {source}", "differences", view, "s--", vs="streaming")
+            curve(ax, "top1_agreement", b["B"], f"C{i + len(meta['budgets'])}", f"top-1 B={b['B']} {source}",
+                  "differences", view, "s--", vs="streaming")
     ax.axhline(0, color="0.3", lw=1)
     ax.set_title("paired KVpop − streaming (KL below 0, top-1 above 0: better)", fontsize=9)
     ax = axes[1][2]
@@ -1025,10 +1071,10 @@ def main(argv=None) -> int:
         for row in plan(args.checkpoints, args.seq_len):
             print(row)
         return 0
-    if args.layers_plot:
-        source = Path(args.layers_plot)
-        write_layers_plot(json.loads(source.read_text()), source.with_suffix(""))
-        print(f"wrote {source.with_suffix('')}_layers.png")
+    if args.redraw:
+        source = Path(args.redraw)
+        stem = write_outputs(json.loads(source.read_text()), source.parent, source.stem.removeprefix("learning_curves_"))
+        print(f"wrote {stem}.md, .png and _layers.png")
         return 0
     from jobs._cli import fail
     from pipelines.config import ConfigError

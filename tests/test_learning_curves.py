@@ -179,6 +179,7 @@ def test_another_corpus_is_evaluated_at_every_point_against_its_own_references(t
     assert {r["policy"] for r in refs} == {"streaming", "oracle"}
     markdown = (out / "learning_curves_t.md").read_text()
     assert f"## `{other}` (never trained on), held-out text at B = {B}" in markdown
+    assert f"## `{other}` (never trained on): keep/evict decisions at s2-w8-k16" in markdown
     assert len(result["points"]) == 2
     for point in result["points"]:
         corpus = point["corpora"][str(other)]
@@ -192,6 +193,9 @@ def test_another_corpus_is_evaluated_at_every_point_against_its_own_references(t
                                       [round(streaming[i], 6) for i in sorted(mine)], resamples=200)
         assert (d["n"], d["estimate"]) == (3, pytest.approx(ref.estimate))
         assert curves._difference(d, 5) in markdown
+        decisions = corpus["diagnostics"]["budgets"]["s2-w8-k16"]["scorer"]
+        main = point["diagnostics"]["budgets"]["s2-w8-k16"]["scorer"]
+        assert 0 <= decisions["agreement"] <= 1 and decisions["agreement"] != main["agreement"]  # other sequences
     capsys.readouterr()
     assert curves.main(argv(tiny_setup, out, "--eval-sources", str(tiny_setup / "docs.jsonl"))) == 2
     err = capsys.readouterr().err.strip()
