@@ -202,6 +202,32 @@ def test_another_corpus_is_evaluated_at_every_point_against_its_own_references(t
     assert len(err.splitlines()) == 1 and "is the training corpus" in err, err
 
 
+def test_transfer_diagnostics_of_a_saved_scorer_per_corpus(tiny_setup, home, saved, tmp_path, capsys):
+    """``benchmarks/transfer_diagnostics.py`` on a study's saved scorer: the training corpus's numbers are the study's
+    own diagnostics of the same sequences; another corpus gets its own; a folder without a scorer is one line."""
+    from benchmarks import transfer_diagnostics as transfer
+    from tests.models import write_docs
+
+    manifest = json.loads((saved / "state.json").read_text())
+    other = tmp_path / "other.jsonl"
+    write_docs(other, 30, seed=7, min_words=40, max_words=90)
+    common = ["--model", str(tiny_setup / "teacher"), "--seq-len", "64", "--sequences", "3", "--batch", "3",
+              "--out", str(tmp_path), "--tag", "t"]
+    assert transfer.main(["--checkpoint", str(saved / manifest["model"]), "--sources", str(tiny_setup / "docs.jsonl"),
+                          str(other), *common]) == 0
+    result = json.loads((tmp_path / "transfer_diagnostics_t.json").read_text())
+    mine, theirs = (result["sources"][str(src)]["budgets"]["s2-w8-k16"]["scorer"]
+                    for src in (tiny_setup / "docs.jsonl", other))
+    study = manifest["result"]["points"][-1]["diagnostics"]["budgets"]["s2-w8-k16"]["scorer"]
+    assert mine["agreement"] == pytest.approx(study["agreement"], abs=1e-5)  # same scorer, same held-out sequences
+    assert theirs["agreement"] != pytest.approx(mine["agreement"], abs=1e-5)
+    assert (tmp_path / "transfer_diagnostics_t_layers.png").stat().st_size > 0
+    capsys.readouterr()
+    assert transfer.main(["--checkpoint", str(tmp_path), "--sources", str(other), *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "no kvpop.json" in err, err
+
+
 def test_shards_stay_under_the_limit_and_round_trip(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = {f"layer.{i}.exp_avg": torch.randn(i + 1, 7, generator=generator) for i in range(12)}
