@@ -81,8 +81,9 @@ STUDY_ARGS = ("source", "seq_len", "sink", "window", "topk", "train_topks", "sco
               "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed")
 # study settings that came after studies were first saved: the value a study saved without one ran with
 SAVED_BEFORE = {"query_power": 1.0, "eval_sources": []}
-EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences", "recall_tasks",
-             "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens", "resamples")
+EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences",
+             "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
+             "resamples")
 # The curves' metrics (pipelines.report names), their labels and digits (differences get one more).
 TEXT_METRICS = [("kl", "KL", 4), ("top1_agreement", "top-1", 4)]
 HEURISTIC_NAMES = ("streaming", "tova", "h2o")
@@ -611,9 +612,11 @@ def run(args) -> dict:
     eval_ids = torch.tensor([r["input_ids"] for r in heldout], dtype=torch.long, device=device)
     inputs = {"tokenizer": study.tokenizer, "sequences": heldout, "budgets": eval_budgets, "samples": study.samples,
               "problems": [], "prompts": []}
-    # other corpora: text only, the same budgets; (their config, their inputs) per source
-    others = {source: (other, {**inputs, "sequences": load_sequences(other, "eval", study.tokenizer), "samples": []})
-              for source, other in study.corpora.items()}
+    others = {}  # other corpora: text only, the same budgets; per source (its config, its inputs, its token ids)
+    for source, other in study.corpora.items():
+        rows = load_sequences(other, "eval", study.tokenizer)
+        others[source] = (other, {**inputs, "sequences": rows, "samples": []},
+                          torch.tensor([r["input_ids"] for r in rows], dtype=torch.long, device=device))
     budgets = [{"B": b.total, "CR": 1 - b.total / args.seq_len, "budget": str(b)} for b in eval_budgets]
     print(f"[curves] {len(train_ids)} training / {len(heldout)} held-out sequences of {args.seq_len} ({data_s:.0f}s), "
           f"{len(study.samples)} recall samples; training to step {study.total_steps} ({tokens_per_step} tokens each)",
@@ -636,12 +639,13 @@ def run(args) -> dict:
         result = {"references": {"records": refs, "seconds": round(time.perf_counter() - t0, 1),
                                  "summary": summarize_records(refs, budgets, args.resamples, args.seed)},
                   "corpora": {}, "points": [], "meta": {"sessions": []}}
-        for source, (other, other_inputs) in others.items():
+        for source, (other, other_inputs, _) in others.items():
             t0 = time.perf_counter()
-            refs = evaluate_records(other, other_inputs, model, reference_runs(args, eval_budgets))
+            other_refs = evaluate_records(other, other_inputs, model, reference_runs(args, eval_budgets))
             result["corpora"][source] = {"references": {
-                "records": refs, "seconds": round(time.perf_counter() - t0, 1), "eval_sequences": len(other_inputs["sequences"]),
-                "summary": summarize_records(refs, budgets, args.resamples, args.seed)}}
+                "records": other_refs, "seconds": round(time.perf_counter() - t0, 1),
+                "eval_sequences": len(other_inputs["sequences"]),
+                "summary": summarize_records(other_refs, budgets, args.resamples, args.seed)}}
         print(f"[curves] references: {result['references']['seconds']}s", flush=True)
     result["meta"].update(args=vars(args), study=study.settings, train_budget=str(train_budget),
                           eval_budgets=[str(b) for b in eval_budgets], budgets=budgets, unreachable=unreachable,
@@ -670,13 +674,11 @@ def run(args) -> dict:
                  "diagnostics": diagnostics(model, eval_ids, [b.topk for b in eval_budgets], args.eval_batch,
                                             cfg.precompute.target_options())}
         point["corpora"] = {}
-        for source, (other, other_inputs) in others.items():
+        for source, (other, other_inputs, other_ids) in others.items():
             found = evaluate_records(other, other_inputs, model, [Setting("kvpop", b) for b in eval_budgets])
-            refs_other = result["corpora"][source]["references"]["records"]
-            other_ids = torch.tensor([r["input_ids"] for r in other_inputs["sequences"]], dtype=torch.long,
-                                     device=device)
+            other_refs = result["corpora"][source]["references"]["records"]
             point["corpora"][source] = {"records": found, "summary": summarize_records(
-                refs_other + found, budgets, args.resamples, args.seed, policy="kvpop"),
+                other_refs + found, budgets, args.resamples, args.seed, policy="kvpop"),
                 "diagnostics": diagnostics(model, other_ids, [b.topk for b in eval_budgets], args.eval_batch,
                                            other.precompute.target_options())}
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
@@ -1073,7 +1075,8 @@ def main(argv=None) -> int:
         return 0
     if args.redraw:
         source = Path(args.redraw)
-        stem = write_outputs(json.loads(source.read_text()), source.parent, source.stem.removeprefix("learning_curves_"))
+        tag = source.stem.removeprefix("learning_curves_")
+        stem = write_outputs(json.loads(source.read_text()), source.parent, tag)
         print(f"wrote {stem}.md, .png and _layers.png")
         return 0
     from jobs._cli import fail

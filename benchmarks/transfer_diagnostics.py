@@ -1,13 +1,15 @@
-"""Does a trained scorer's ranking carry over to a corpus it never saw? Issue 12's diagnostics (:mod:`kvpop.diagnostics`:
-balanced accuracy of its keep/evict decisions against the teacher's, next to newest- / oldest-wins; kept-set overlap
-with the oracle's; rank correlation with the targets), per corpus and per layer, for one saved scorer.
+"""Does a trained scorer's ranking carry over to a corpus it never saw? Issue 12's diagnostics
+(:mod:`kvpop.diagnostics`: balanced accuracy of its keep/evict decisions against the teacher's, next to newest- /
+oldest-wins; kept-set overlap with the oracle's; rank correlation with the targets), per corpus and per layer, for one
+saved scorer.
 
     python benchmarks/transfer_diagnostics.py --checkpoint DIR --sources champ stdlib --sequences 4
 
 ``DIR``: a scorer folder (``kvpop.json`` + ``kvpop_scorers.safetensors``: a learning-curves step folder, a pipeline's
 scorer-only ``final_model``), its base model taken from ``--model``. The held-out split of each source (the data
-stage's, ``--sequences`` of ``--seq-len``) is diagnosed against that source's own teacher targets (β = ``--query-power``)
-at the scorer's budget. Writes ``<out>/transfer_diagnostics_<tag>.{json,md}`` and ``…_layers.png``.
+stage's, ``--sequences`` of ``--seq-len``) is diagnosed against that source's own teacher targets
+(β = ``--query-power``) at the scorer's budget. Writes ``<out>/transfer_diagnostics_<tag>.{json,md}`` and
+``…_layers.png``.
 """
 from __future__ import annotations
 
