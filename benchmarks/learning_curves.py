@@ -84,6 +84,9 @@ SAVED_BEFORE = {"query_power": 1.0, "eval_sources": []}
 EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences",
              "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
              "resamples")
+# what a study's reference records depend on besides their setting: a saved study's are reused only where these agree
+REUSE_MUST_MATCH = ("source", "seq_len", "seed", "eval_sequences", "eval_sources", "dynamic_sequences", "recall_tasks",
+                    "recall_contexts", "recall_depths", "recall_samples", "recall_tokens", "base_sha256", "dtype")
 # The curves' metrics (pipelines.report names), their labels and digits (differences get one more).
 TEXT_METRICS = [("kl", "KL", 4), ("top1_agreement", "top-1", 4)]
 HEURISTIC_NAMES = ("streaming", "tova", "h2o")
@@ -153,6 +156,9 @@ def parse_args(argv=None):
     p.add_argument("--save-state", metavar="DIR", default="", help="save the study here at every checkpoint and at "
                    "the end (default with --resume: the same folder)")
     p.add_argument("--resume", metavar="DIR", default="", help="continue the study saved in DIR")
+    p.add_argument("--references-from", metavar="JSON", default="", help="a finished study's learning_curves_*.json "
+                   "on the same held-out items and base: its streaming / TOVA / H2O / oracle records at the very "
+                   "same budgets (the oracle only under the same β) are reused instead of measured again")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the cost of each scale and exit")
     p.add_argument("--redraw", metavar="JSON", default="", help="rewrite <JSON stem>.md, .png and _layers.png "
@@ -446,6 +452,49 @@ def reference_runs(args, budgets):
     return settings(["streaming", *args.heuristics, "oracle"], budgets)
 
 
+def reference_study(path: Path, settings: dict) -> dict:
+    """The finished study at ``path`` whose references a run with ``settings`` may reuse; one line naming what
+    differs when it was measured on other items or another base."""
+    from pipelines.config import ConfigError
+
+    try:
+        saved = json.loads(Path(path).read_text())
+        theirs = {**SAVED_BEFORE, **saved["meta"]["study"]}
+        saved["references"]["records"]  # every finished study has them
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"--references-from {path}: not a learning-curves study ({type(err).__name__}: {err})") \
+            from None
+    differ = [f"{key} {settings.get(key)!r} (there {theirs.get(key)!r})" for key in REUSE_MUST_MATCH
+              if settings.get(key) != theirs.get(key)]
+    if differ:
+        raise ConfigError(f"--references-from {path}: measured on other items or another base: {'; '.join(differ)}")
+    return saved
+
+
+def reusable_references(saved: dict, settings: dict, runs) -> tuple[dict, list]:
+    """``(records, runs left)``: from a finished study (:func:`reference_study`), the reference records of each run in
+    ``runs`` that it measured at the very same budget on every corpus (the oracle only under the same β), and dense's,
+    per corpus (``""``: the training corpus); the runs it did not measure."""
+    from kvpop.policies import build_policy
+
+    theirs = {**SAVED_BEFORE, **saved["meta"]["study"]}
+    corpora = {"": saved["references"]["records"],
+               **{source: c["references"]["records"] for source, c in saved.get("corpora", {}).items()}}
+    measured = {name: {(r["policy"], r["budget"]) for r in records if r["policy"] != "dense"}
+                for name, records in corpora.items()}
+    reused, left = set(), []
+    for run in runs:
+        wanted = (run.policy, str(build_policy(run.policy, run.budget).budget))
+        same_targets = run.policy != "oracle" or theirs["query_power"] == settings["query_power"]
+        if same_targets and all(wanted in found for found in measured.values()):
+            reused.add(wanted)
+        else:
+            left.append(run)
+    records = {name: [r for r in rows if r["policy"] == "dense" or (r["policy"], r["budget"]) in reused]
+               for name, rows in corpora.items()}
+    return records, left
+
+
 def evaluate_records(cfg, inputs: dict, model, runs) -> list[dict]:
     """Per-item records of ``runs`` on the held-out text and the recall samples (the evaluation stage's code)."""
     from pipelines.eval_parts import evaluate_items
@@ -545,6 +594,7 @@ class Study:
     tokenizer: object
     samples: list
     corpora: dict  # --eval-sources: source -> its pipeline config (held-out split only)
+    references_from: dict | None  # --references-from: the finished study whose reference records may be reused
 
 
 def open_study(args) -> Study:
@@ -580,13 +630,14 @@ def open_study(args) -> Study:
     settings = study_settings(args, base_sha256, pool)
     if manifest:
         check_resume(resume, manifest["study"], settings)
+    references_from = reference_study(Path(args.references_from), settings) if args.references_from else None
     tokenizer = load_tokenizer(cfg)
     try:
         samples = recall_samples(cfg, tokenizer, read_model_config(base).get("max_position_embeddings"))
     except ValueError as err:
         raise ConfigError(f"--recall-*: {err}") from None
     return Study(cfg, base, base_sha256, settings, resume, manifest, tokens_per_step, seen, checkpoints, total_steps,
-                 tokenizer, samples, corpora)
+                 tokenizer, samples, corpora, references_from)
 
 
 def run(args) -> dict:
@@ -595,6 +646,7 @@ def run(args) -> dict:
 
     import kvpop
     from kvpop.evaluation import Setting
+    from kvpop.policies import build_policy
     from kvpop.pretrained import load_pretrained
     from pipelines.data import load_sequences
 
@@ -635,13 +687,30 @@ def run(args) -> dict:
     else:
         t0 = time.perf_counter()
         model.eval()
-        refs = evaluate_records(cfg, inputs, model, reference_runs(args, eval_budgets))
+        runs = reference_runs(args, eval_budgets)
+        reused, runs = (reusable_references(study.references_from, study.settings, runs)
+                        if study.references_from else ({}, runs))
+
+        def references(config, corpus_inputs, name: str) -> list[dict]:
+            """This corpus's reference records: those reused, then the runs left (their dense records dropped where
+            the saved study's are reused)."""
+            fresh = evaluate_records(config, corpus_inputs, model, runs) if runs else []
+            if name in reused:
+                fresh = reused[name] + [r for r in fresh if r["policy"] != "dense"]
+            return fresh
+
+        refs = references(cfg, inputs, "")
         result = {"references": {"records": refs, "seconds": round(time.perf_counter() - t0, 1),
                                  "summary": summarize_records(refs, budgets, args.resamples, args.seed)},
                   "corpora": {}, "points": [], "meta": {"sessions": []}}
+        if args.references_from:
+            result["references"]["reused_from"] = {
+                "study": str(args.references_from),
+                "settings": sorted({f"{r['policy']}@{r['budget']}" for r in refs if r["policy"] != "dense"}
+                                   - {f"{s.policy}@{build_policy(s.policy, s.budget).budget}" for s in runs})}
         for source, (other, other_inputs, _) in others.items():
             t0 = time.perf_counter()
-            other_refs = evaluate_records(other, other_inputs, model, reference_runs(args, eval_budgets))
+            other_refs = references(other, other_inputs, source)
             result["corpora"][source] = {"references": {
                 "records": other_refs, "seconds": round(time.perf_counter() - t0, 1),
                 "eval_sequences": len(other_inputs["sequences"]),
@@ -878,7 +947,9 @@ def render(result: dict) -> str:
              f"{train_budget}, S = {args['seq_len']}, {args['batch']} sequences per step from a pool of "
              f"{meta['train_sequences']} (one epoch = {tokens_label(epoch_tokens)} tokens), constant lr {args['lr']} "
              f"after {args['warmup']} warm-up steps; one run evaluated at each token count on {n_text} held-out "
-             f"sequences{recall_items}. Sessions: {sessions}.", "",
+             f"sequences{recall_items}. Sessions: {sessions}."
+             + (f" Reference records of {', '.join(reuse['settings'])} reused from `{reuse['study']}` (same "
+                f"held-out items and base)." if (reuse := result["references"].get("reused_from")) else ""), "",
              "Intervals: 95 % percentile bootstrap over items (`pipelines.stats`); differences paired over the items "
              "both policies have; \"above\" / \"below\" only where the paired interval excludes 0. Best heuristic: "
              "the best of streaming / TOVA / H2O by point estimate, per metric"

@@ -202,6 +202,52 @@ def test_another_corpus_is_evaluated_at_every_point_against_its_own_references(t
     assert len(err.splitlines()) == 1 and "is the training corpus" in err, err
 
 
+def test_references_of_a_finished_study_are_reused_only_where_measured_alike(tiny_setup, home, tmp_path, capsys):
+    """``--references-from``: a run on the same items reuses the saved streaming / TOVA / oracle records of the very
+    same budgets (on every corpus) and measures the rest; the records it reuses are the ones a fresh run measures."""
+    from tests.models import write_docs
+
+    other = tmp_path / "other.jsonl"
+    write_docs(other, 30, seed=7, min_words=40, max_words=90)
+    common = ["--checkpoints", str(TOKENS_PER_STEP), "--eval-sources", str(other), "--heuristics", "tova",
+              "--dynamic-sequences", "2"]
+
+    def study(name, *extra) -> dict:
+        assert curves.main(argv(tiny_setup, tmp_path / name, *common, *extra)) == 0
+        return json.loads((tmp_path / name / "learning_curves_t.json").read_text())
+
+    def text(records) -> dict:
+        return {(r["policy"], r["budget"], r["item"]): (r["kl"], r["top1_agreement"]) for r in records
+                if r["part"] == "text"}
+
+    first = study("first")
+    saved = tmp_path / "first" / "learning_curves_t.json"
+    # another window at the same B: streaming's budget is unchanged, TOVA's and the oracle's are not
+    narrow = study("narrow", "--window", "4", "--references-from", str(saved))
+    fresh = study("fresh", "--window", "4")
+    assert narrow["references"]["reused_from"]["settings"] == ["streaming@s2-w30-k0"]
+    for run, ref in ((narrow, fresh), (narrow, first)):
+        assert {k: v for k, v in text(run["references"]["records"]).items() if k[0] == "streaming"} == \
+            {k: v for k, v in text(ref["references"]["records"]).items() if k[0] == "streaming"}
+    assert text(narrow["references"]["records"]) == text(fresh["references"]["records"])  # TOVA, oracle measured
+    assert text(narrow["corpora"][str(other)]["references"]["records"]) == \
+        text(fresh["corpora"][str(other)]["references"]["records"])
+    # the same budget and β, another learning rate: everything reused, nothing measured
+    again = study("again", "--lr", "0.01", "--references-from", str(saved))
+    assert again["references"]["reused_from"]["settings"] == ["oracle@s2-w8-k22", "streaming@s2-w30-k0",
+                                                              "tova@s2-w8-k22"]
+    assert text(again["references"]["records"]) == text(first["references"]["records"])
+    assert "reused from" in (tmp_path / "again" / "learning_curves_t.md").read_text()
+    # other targets: the oracle is measured again
+    beta = study("beta", "--query-power", "4", "--references-from", str(saved))
+    assert "oracle@s2-w8-k22" not in beta["references"]["reused_from"]["settings"]
+    capsys.readouterr()
+    assert curves.main(argv(tiny_setup, tmp_path / "bad", *common, "--eval-sequences", "2", "--references-from",
+                            str(saved))) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "eval_sequences 2 (there 3)" in err, err
+
+
 def test_transfer_diagnostics_of_a_saved_scorer_per_corpus(tiny_setup, home, saved, tmp_path, capsys):
     """``benchmarks/transfer_diagnostics.py`` on a study's saved scorer: the training corpus's numbers are the study's
     own diagnostics of the same sequences; another corpus gets its own; a folder without a scorer is one line."""
