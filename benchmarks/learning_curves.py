@@ -200,26 +200,36 @@ def budgets_for(args):
     return train, evals, unreachable
 
 
+def corpus_config(model: str, source: str, seq_len: int, budget: dict, query_power: float, eval_sequences: int,
+                  seed: int = 0, train_sequences: int = 1, more: list[str] | None = None):
+    """The pipeline config of one corpus's sequences at a scorer's ``budget`` (``{"sink", "window", "topk"}``) and
+    targets (β = ``query_power``); ``train_sequences`` = 1 where only its held-out split is read (a corpus the scorer
+    never trains on); ``more``: further overrides."""
+    from pipelines.config import load_config
+
+    return load_config(None, [
+        f"model.path={model}", f"budget.sink={budget['sink']}", f"budget.window={budget['window']}",
+        f"budget.topk={budget['topk']}", f"precompute.windows=[{budget['window']}]", f"data.source={source}",
+        f"data.seq_len={seq_len}", f"precompute.query_power={query_power}", f"data.num_sequences={train_sequences}",
+        f"data.eval_sequences={eval_sequences}", f"data.seed={seed}", *(more or [])])
+
+
 def study_config(args, train_sequences: int, source: str | None = None):
     """The pipeline config whose data and eval sections this study uses (the held-out split, the recall cells);
     ``source``: another corpus's (its held-out split only: a one-sequence training split)."""
-    from pipelines.config import load_config
-
     def as_list(values):
         return "[" + ",".join(str(v) for v in values) + "]"
 
-    return load_config(None, [
-        f"model.path={args.model}", f"budget.sink={args.sink}", f"budget.window={args.window}",
-        f"budget.topk={args.topk}", f"precompute.windows=[{args.window}]", f"data.source={source or args.source}",
-        f"data.seq_len={args.seq_len}", f"precompute.query_power={args.query_power}",
-        f"data.num_sequences={1 if source else train_sequences}", f"data.eval_sequences={args.eval_sequences}",
-        f"data.seed={args.seed}",
+    evaluation = [
         f"eval.batch_size={args.eval_batch}", f"eval.dynamic_sequences={args.dynamic_sequences}",
         f"eval.tasks={as_list(args.recall_tasks)}", f"eval.task_contexts={as_list(args.recall_contexts)}",
         f"eval.task_depths={as_list(args.recall_depths)}", f"eval.task_samples={args.recall_samples}",
         f"eval.task_min_dense={args.recall_min_dense}", f"eval.max_new_tokens={args.recall_tokens}",
         f"eval.generation_batch_size={args.recall_batch}", "eval.generation_prompts=0",
-        f"eval.resamples={args.resamples}"])
+        f"eval.resamples={args.resamples}"]
+    budget = {"sink": args.sink, "window": args.window, "topk": args.topk}
+    return corpus_config(args.model, source or args.source, args.seq_len, budget, args.query_power,
+                         args.eval_sequences, args.seed, 1 if source else train_sequences, evaluation)
 
 
 def resolved_dtype(args) -> str:
@@ -471,10 +481,11 @@ def reference_study(path: Path, settings: dict) -> dict:
     return saved
 
 
-def reusable_references(saved: dict, settings: dict, runs) -> tuple[dict, list]:
-    """``(records, runs left)``: from a finished study (:func:`reference_study`), the reference records of each run in
-    ``runs`` that it measured at the very same budget on every corpus (the oracle only under the same β), and dense's,
-    per corpus (``""``: the training corpus); the runs it did not measure."""
+def reusable_references(saved: dict, settings: dict, runs) -> tuple[dict, list, list[str]]:
+    """``(records, runs left, reused)``: from a finished study (:func:`reference_study`), the reference records of
+    each run in ``runs`` that it measured at the very same budget on every corpus (the oracle only under the same β),
+    and dense's, per corpus (``""``: the training corpus); the runs it did not measure; ``policy@budget`` of those
+    reused."""
     from kvpop.policies import build_policy
 
     theirs = {**SAVED_BEFORE, **saved["meta"]["study"]}
@@ -492,7 +503,7 @@ def reusable_references(saved: dict, settings: dict, runs) -> tuple[dict, list]:
             left.append(run)
     records = {name: [r for r in rows if r["policy"] == "dense" or (r["policy"], r["budget"]) in reused]
                for name, rows in corpora.items()}
-    return records, left
+    return records, left, sorted(f"{policy}@{budget}" for policy, budget in reused)
 
 
 def evaluate_records(cfg, inputs: dict, model, runs) -> list[dict]:
@@ -646,7 +657,6 @@ def run(args) -> dict:
 
     import kvpop
     from kvpop.evaluation import Setting
-    from kvpop.policies import build_policy
     from kvpop.pretrained import load_pretrained
     from pipelines.data import load_sequences
 
@@ -688,8 +698,8 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         model.eval()
         runs = reference_runs(args, eval_budgets)
-        reused, runs = (reusable_references(study.references_from, study.settings, runs)
-                        if study.references_from else ({}, runs))
+        reused, runs, labels = (reusable_references(study.references_from, study.settings, runs)
+                                if study.references_from else ({}, runs, []))
 
         def references(config, corpus_inputs, name: str) -> list[dict]:
             """This corpus's reference records: those reused, then the runs left (their dense records dropped where
@@ -704,10 +714,7 @@ def run(args) -> dict:
                                  "summary": summarize_records(refs, budgets, args.resamples, args.seed)},
                   "corpora": {}, "points": [], "meta": {"sessions": []}}
         if args.references_from:
-            result["references"]["reused_from"] = {
-                "study": str(args.references_from),
-                "settings": sorted({f"{r['policy']}@{r['budget']}" for r in refs if r["policy"] != "dense"}
-                                   - {f"{s.policy}@{build_policy(s.policy, s.budget).budget}" for s in runs})}
+            result["references"]["reused_from"] = {"study": str(args.references_from), "settings": labels}
         for source, (other, other_inputs, _) in others.items():
             t0 = time.perf_counter()
             other_refs = references(other, other_inputs, source)

@@ -39,18 +39,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def source_config(args, source: str, budget: dict):
-    """The data stage's config for ``source``'s held-out split (a one-sequence training split: never used) at the
-    scorer's ``budget`` (``kvpop.json``'s)."""
-    from pipelines.config import load_config
-
-    return load_config(None, [f"model.path={args.model}", f"data.source={source}", f"data.seq_len={args.seq_len}",
-                              "data.num_sequences=1", f"data.eval_sequences={args.sequences}",
-                              f"precompute.query_power={args.query_power}", f"budget.sink={budget['sink']}",
-                              f"budget.window={budget['window']}", f"budget.topk={budget['topk']}",
-                              f"precompute.windows=[{budget['window']}]"])
-
-
 def run(args) -> dict:
     import torch
 
@@ -59,7 +47,7 @@ def run(args) -> dict:
     from pipelines.config import ConfigError
     from pipelines.data import check_inputs, load_sequences, load_tokenizer
 
-    from benchmarks.learning_curves import diagnostics
+    from benchmarks.learning_curves import corpus_config, diagnostics
 
     folder = Path(args.checkpoint)
     meta_file = folder / "kvpop.json"
@@ -67,7 +55,8 @@ def run(args) -> dict:
         raise ConfigError(f"--checkpoint {folder}: no kvpop.json there; give a folder with kvpop.json and "
                           f"kvpop_scorers.safetensors (a learning-curves step folder or a scorer-only final_model)")
     meta = json.loads(meta_file.read_text())
-    configs = {source: source_config(args, source, meta["budget"]) for source in args.sources}
+    configs = {source: corpus_config(args.model, source, args.seq_len, meta["budget"], args.query_power,
+                                     args.sequences) for source in args.sources}
     for cfg in configs.values():
         check_inputs(cfg)
     first = next(iter(configs.values()))
