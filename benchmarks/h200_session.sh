@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
-#    recipe learning_curves capacity)
+#    recipe learning_curves capacity pipeline)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -65,6 +65,12 @@ run_part() {
                   --crs 0.875 0.9375 --policies dense streaming tova h2o oracle kvpop --eval-corpus stdlib \
                   --tasks niah_single niah_single_essay niah_multikey_2 --depths 0.1 0.5 --tag recipe \
                   --out "$out" ${RECIPE_ARGS:-} ;;
+    # issue 12: a preset end to end through the pipeline's own stages (precompute → [sweep, with
+    # PIPELINE_ARGS="--set sweep.in_pipeline=true ..."] → Ray Train → evaluation); the evaluation's folder and the
+    # sweep's best config are copied into RESULTS_DIR (the MLflow store stays in $KVPOP_HOME/mlflow.db).
+    pipeline)   python -m jobs.pipeline --config "${PIPELINE_CONFIG:-configs/smollm2_scorer_w256.yaml}" \
+                  ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval" && \
+                  { for best in "$KVPOP_HOME"/sweeps/*/best.yaml; do [ ! -e "$best" ] || cp "$best" "$out/"; done; } ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

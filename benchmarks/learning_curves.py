@@ -77,10 +77,10 @@ STORED_TRAIN_TPS = 40_000
 
 # What a resumed run must share with the saved study, besides the base weights (their digest) and the resolved dtype
 # and training pool: what the scorer is trained on and how, and what the curve's points are measured on.
-STUDY_ARGS = ("source", "seq_len", "sink", "window", "topk", "train_topks", "scorer", "scorer_options",
-              "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed")
+STUDY_ARGS = ("source", "mix_source", "mix_sequences", "seq_len", "sink", "window", "topk", "train_topks", "scorer",
+              "scorer_options", "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed")
 # study settings that came after studies were first saved: the value a study saved without one ran with
-SAVED_BEFORE = {"query_power": 1.0, "eval_sources": []}
+SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0}
 EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences",
              "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
              "resamples")
@@ -103,6 +103,9 @@ def parse_args(argv=None):
     p.prog = "benchmarks/learning_curves.py"
     p.add_argument("--model", default="smollm2", help="smollm2 or a local HF folder")
     p.add_argument("--source", default="champ", help="data.source of pipelines.data (champ, stdlib, a local file)")
+    p.add_argument("--mix-source", default=None, help="a second training corpus (a data.source value): "
+                   "--mix-sequences of its training split join the pool; its held-out documents stay unseen")
+    p.add_argument("--mix-sequences", type=int, default=0, help="sequences of --mix-source in the training pool")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=128)
@@ -116,9 +119,10 @@ def parse_args(argv=None):
                    help="training-token counts at which the held-out set is evaluated (the last ends training); from "
                    "0.25M, a run the time guard stops after 8M still spans 32x. A resumed run evaluates those above "
                    "the tokens already seen")
-    p.add_argument("--train-sequences", type=int, default=0, help="the training pool (sequences, each once per "
-                   "epoch); 0: as many as the last checkpoint needs (a resumed run: the saved study's). Set it in the "
-                   "first session of a study that will continue (champ at S = 4096 holds 5180)")
+    p.add_argument("--train-sequences", type=int, default=0, help="the training corpus's sequences in the pool (each "
+                   "once per epoch, as are --mix-sequences); 0: as many as the last checkpoint needs (a resumed run: "
+                   "the saved study's). Set it in the first session of a study that will continue (champ at S = 4096 "
+                   "holds 5180)")
     p.add_argument("--scorer", default="mlstm")
     p.add_argument("--scorer-options", default="{}", help="JSON: fields of the scorer's config")
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
@@ -548,13 +552,15 @@ def diagnostics(model, eval_ids, eval_topks, batch: int, target_options: dict | 
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def load_data(cfg, tokenizer):
-    """``(training ids [N, S], held-out rows [{"id", "input_ids"}])`` of the data stage's two splits."""
+def load_data(cfg, tokenizer, mix=None):
+    """``(training ids [N, S], held-out rows [{"id", "input_ids"}])`` of the data stage's two splits; ``mix``: another
+    corpus's config whose training split joins the pool after the training corpus's (its held-out split is never
+    read)."""
     import torch
 
     from pipelines.data import load_sequences
 
-    train = load_sequences(cfg, "train", tokenizer)
+    train = load_sequences(cfg, "train", tokenizer) + (load_sequences(mix, "train", tokenizer) if mix else [])
     return torch.tensor([r["input_ids"] for r in train], dtype=torch.long), load_sequences(cfg, "eval", tokenizer)
 
 
@@ -584,6 +590,12 @@ def check_args(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.train_sequences < 0 or args.recall_samples < 0 or args.dynamic_sequences < 0:
         raise ConfigError("--train-sequences, --recall-samples and --dynamic-sequences must be >= 0")
+    if (args.mix_source is None) != (args.mix_sequences == 0) or args.mix_sequences < 0:
+        raise ConfigError("--mix-source and --mix-sequences go together: a corpus and how many of its training "
+                          "sequences (>= 1) join the pool")
+    if args.mix_source in (args.source, *args.eval_sources):
+        raise ConfigError(f"--mix-source {args.mix_source!r} is the training corpus or one of --eval-sources: mix in "
+                          f"a corpus the evaluation does not judge transfer on")
 
 
 @dataclass
@@ -605,6 +617,7 @@ class Study:
     tokenizer: object
     samples: list
     corpora: dict  # --eval-sources: source -> its pipeline config (held-out split only)
+    mix: object | None  # --mix-source: its pipeline config (its training split joins the pool)
     references_from: dict | None  # --references-from: the finished study whose reference records may be reused
 
 
@@ -634,7 +647,12 @@ def open_study(args) -> Study:
         raise ConfigError(f"--eval-sources: {args.source!r} is the training corpus (its held-out split is evaluated "
                           f"anyway); name corpora the scorer never trains on")
     corpora = {source: study_config(args, pool, source) for source in dict.fromkeys(args.eval_sources)}
-    for other in corpora.values():
+    mix = None
+    if args.mix_source:
+        budget = {"sink": args.sink, "window": args.window, "topk": args.topk}
+        mix = corpus_config(args.model, args.mix_source, args.seq_len, budget, args.query_power, args.eval_sequences,
+                            args.seed, args.mix_sequences)
+    for other in [*corpora.values(), *([mix] if mix else [])]:
         check_inputs(other)
     base = cfg.model.resolved_path()
     base_sha256 = weights_digest(base)
@@ -648,7 +666,7 @@ def open_study(args) -> Study:
     except ValueError as err:
         raise ConfigError(f"--recall-*: {err}") from None
     return Study(cfg, base, base_sha256, settings, resume, manifest, tokens_per_step, seen, checkpoints, total_steps,
-                 tokenizer, samples, corpora, references_from)
+                 tokenizer, samples, corpora, mix, references_from)
 
 
 def run(args) -> dict:
@@ -669,7 +687,7 @@ def run(args) -> dict:
     model, _ = load_pretrained(study.base, dtype=getattr(torch, resolved_dtype(args)), device=device)
     train_budget, eval_budgets, unreachable = budgets_for(args)
     t0 = time.perf_counter()
-    train_ids, heldout = load_data(cfg, study.tokenizer)
+    train_ids, heldout = load_data(cfg, study.tokenizer, study.mix)
     data_s = time.perf_counter() - t0
     eval_ids = torch.tensor([r["input_ids"] for r in heldout], dtype=torch.long, device=device)
     inputs = {"tokenizer": study.tokenizer, "sequences": heldout, "budgets": eval_budgets, "samples": study.samples,
@@ -952,7 +970,9 @@ def render(result: dict) -> str:
              f"{', --query-power ' + str(args['query_power']) if args.get('query_power', 1.0) != 1.0 else ''}), "
              f"training budget "
              f"{train_budget}, S = {args['seq_len']}, {args['batch']} sequences per step from a pool of "
-             f"{meta['train_sequences']} (one epoch = {tokens_label(epoch_tokens)} tokens), constant lr {args['lr']} "
+             f"{meta['train_sequences']}"
+             + (f" ({args['mix_sequences']} of them from `{args['mix_source']}`)" if args.get("mix_source") else "")
+             + f" (one epoch = {tokens_label(epoch_tokens)} tokens), constant lr {args['lr']} "
              f"after {args['warmup']} warm-up steps; one run evaluated at each token count on {n_text} held-out "
              f"sequences{recall_items}. Sessions: {sessions}."
              + (f" Reference records of {', '.join(reuse['settings'])} reused from `{reuse['study']}` (same "

@@ -308,3 +308,39 @@ def test_a_study_saved_before_query_power_resumes_at_beta_one(tmp_path):
     curves.check_resume(tmp_path, saved, {"seq_len": 64, "query_power": 1.0})
     with pytest.raises(ConfigError, match="--query-power 8.0 \\(saved 1.0\\)"):
         curves.check_resume(tmp_path, saved, {"seq_len": 64, "query_power": 8.0})
+
+
+def test_a_mixed_in_corpus_joins_the_pool_with_its_training_split_only(tiny_setup, home, tmp_path, capsys):
+    """``--mix-source``: its training sequences follow the training corpus's in the pool, its held-out ones never
+    enter it; the held-out items (and so the references) stay the training corpus's; bad pairings are one line."""
+    from pipelines.data import load_sequences
+    from tests.models import write_docs
+
+    mixed = tmp_path / "mixed.jsonl"
+    write_docs(mixed, 30, seed=11, min_words=40, max_words=90)
+    out = tmp_path / "out"
+    args = curves.parse_args(argv(tiny_setup, out, "--checkpoints", str(TOKENS_PER_STEP), "--mix-source", str(mixed),
+                                  "--mix-sequences", "3"))
+    study = curves.open_study(args)
+    train_ids, heldout = curves.load_data(study.cfg, study.tokenizer, study.mix)
+    own = load_sequences(study.cfg, "train", study.tokenizer)
+    theirs = {split: load_sequences(study.mix, split, study.tokenizer) for split in ("train", "eval")}
+    pool = [row.tolist() for row in train_ids]
+    assert pool == [r["input_ids"] for r in own] + [r["input_ids"] for r in theirs["train"]]
+    assert (len(own), len(theirs["train"])) == (5, 3)
+    assert not {tuple(r["input_ids"]) for r in theirs["eval"]} & {tuple(row) for row in pool}
+    assert [r["input_ids"] for r in heldout] == [r["input_ids"] for r in load_sequences(study.cfg, "eval",
+                                                                                         study.tokenizer)]
+    assert curves.main(argv(tiny_setup, out, "--checkpoints", str(TOKENS_PER_STEP), "--mix-source", str(mixed),
+                            "--mix-sequences", "3")) == 0
+    result = json.loads((out / "learning_curves_t.json").read_text())
+    assert result["meta"]["train_sequences"] == 8 and result["meta"]["study"]["mix_sequences"] == 3
+    assert f"a pool of 8 (3 of them from `{mixed}`)" in (out / "learning_curves_t.md").read_text()
+    capsys.readouterr()
+    for extra, message in [(["--mix-source", str(mixed)], "go together"),
+                           (["--mix-sequences", "3"], "go together"),
+                           (["--mix-source", str(mixed), "--mix-sequences", "3", "--eval-sources", str(mixed)],
+                            "one of --eval-sources")]:
+        assert curves.main(argv(tiny_setup, out, *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
