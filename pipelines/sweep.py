@@ -14,7 +14,8 @@ the train stage's trainer (:func:`pipelines.train.make_spec`, :func:`pipelines.t
 ``TuneReportCallback`` and a report every step, and writes no final model. ASHA (``time_attr="step"``,
 ``sweep.grace_period``, ``sweep.reduction_factor``, ``sweep.metric``/``sweep.mode``) stops weaker trials by ending
 their actors (``reuse_actors`` off: a reused actor would keep a stopped trial's training alive); a trial that reaches
-``sweep.steps`` ends by returning.
+``sweep.steps`` ends by returning. When the last trial has ended, the placement groups stopped trials left behind are
+removed (:func:`release_placement_groups`): nothing of the sweep holds a GPU or CPU when the next stage starts.
 
 **MLflow.** One parent run (stage ``sweep``) and a child run per trial (``mlflow.parentRunId``, the trial config as
 params, per-step histories). After the sweep every child run is closed from Tune's view of its trial: ``FINISHED``,
@@ -285,7 +286,11 @@ def run(cfg: PipelineConfig) -> SweepResult:
                                         reduction_factor=sw.reduction_factor, stop_last_trials=False)),
             run_config=ray.tune.RunConfig(name=p.name, storage_path=str(p.root.parent), verbose=1),
         )
+        before = live_placement_groups()
         grid = tuner.fit()
+        released = release_placement_groups(before)
+        if released:
+            print(f"[kvpop.sweep] released {len(released)} placement group(s) left by stopped trials", flush=True)
         trials = _close_trials(cfg, p, grid, parent.info.experiment_id, parent_id)
         mlflow.log_dict(trials, "sweep/trials.json")
         mlflow.log_metrics({"trials.finished": sum(t["status"] == "FINISHED" for t in trials),
@@ -312,6 +317,33 @@ def run(cfg: PipelineConfig) -> SweepResult:
           flush=True)
     return SweepResult(p.name, p.root, parent_id, chosen, best_path, float(best["metrics"][sw.metric]),
                        best["run_id"] or "", trials)
+
+
+def live_placement_groups() -> set[str]:
+    """The ids (hex) of the cluster's placement groups that are not removed."""
+    from ray.util.placement_group import placement_group_table
+
+    return {pg for pg, info in placement_group_table().items() if info["state"] != "REMOVED"}
+
+
+def release_placement_groups(before: set[str]) -> list[str]:
+    """Remove the placement groups this driver's job created since ``before`` (:func:`live_placement_groups`) that
+    are still alive once every trial has ended; returns their ids.
+
+    A trial's TorchTrainer controller removes its worker group's placement group when it shuts down; where Tune ends
+    the trial's actor first (a trial ASHA stops; on the H200 also the sweep's last, finished trial), the group is left
+    to Ray Train's detached ``PlacementGroupCleaner``, which removes it only once the state API says the controller is
+    dead — and that API fails where the dashboard does not run (the H200's Ray) or two clusters share a machine. The
+    group then holds the trial's GPU and CPUs for good: the train stage after an in-pipeline sweep waited for its
+    worker forever. A placement group id ends with its creator's job id: other jobs' groups are never touched."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    left = sorted(pg for pg in live_placement_groups() - before if pg.endswith(job))
+    for pg in left:
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
+    return left
 
 
 def _close_trials(cfg: PipelineConfig, p: Plan, grid, experiment_id: str, parent_id: str) -> list[dict]:
