@@ -85,7 +85,7 @@ EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuris
              "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
              "resamples")
 # what a study's reference records depend on besides their setting: a saved study's are reused only where these agree
-REUSE_MUST_MATCH = ("source", "seq_len", "seed", "eval_sequences", "eval_sources", "dynamic_sequences", "recall_tasks",
+REUSE_MUST_MATCH = ("source", "seq_len", "seed", "eval_sequences", "dynamic_sequences", "recall_tasks",
                     "recall_contexts", "recall_depths", "recall_samples", "recall_tokens", "base_sha256", "dtype")
 # The curves' metrics (pipelines.report names), their labels and digits (differences get one more).
 TEXT_METRICS = [("kl", "KL", 4), ("top1_agreement", "top-1", 4)]
@@ -162,7 +162,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", metavar="DIR", default="", help="continue the study saved in DIR")
     p.add_argument("--references-from", metavar="JSON", default="", help="a finished study's learning_curves_*.json "
                    "on the same held-out items and base: its streaming / TOVA / H2O / oracle records at the very "
-                   "same budgets (the oracle only under the same β) are reused instead of measured again")
+                   "same budgets (the oracle only under the same β) are reused instead of measured again, on each "
+                   "corpus both runs evaluate (another --eval-sources corpus is measured here)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plan", action="store_true", help="print the cost of each scale and exit")
     p.add_argument("--redraw", metavar="JSON", default="", help="rewrite <JSON stem>.md, .png and _layers.png "
@@ -485,29 +486,32 @@ def reference_study(path: Path, settings: dict) -> dict:
     return saved
 
 
-def reusable_references(saved: dict, settings: dict, runs) -> tuple[dict, list, list[str]]:
-    """``(records, runs left, reused)``: from a finished study (:func:`reference_study`), the reference records of
-    each run in ``runs`` that it measured at the very same budget on every corpus (the oracle only under the same β),
-    and dense's, per corpus (``""``: the training corpus); the runs it did not measure; ``policy@budget`` of those
+def reusable_references(saved: dict, settings: dict, runs, corpora: list[str]) -> tuple[dict, dict, dict]:
+    """Per corpus of this run (``""``: the training corpus, then its ``--eval-sources``), from a finished study
+    (:func:`reference_study`): ``(records, runs left, reused)`` — the saved reference records of each run in ``runs``
+    it measured on that corpus at the very same budget (the oracle only under the same β), with its dense records;
+    the runs still to measure there (all of them on a corpus it did not evaluate); ``policy@budget`` of those
     reused."""
     from kvpop.policies import build_policy
 
     theirs = {**SAVED_BEFORE, **saved["meta"]["study"]}
-    corpora = {"": saved["references"]["records"],
-               **{source: c["references"]["records"] for source, c in saved.get("corpora", {}).items()}}
-    measured = {name: {(r["policy"], r["budget"]) for r in records if r["policy"] != "dense"}
-                for name, records in corpora.items()}
-    reused, left = set(), []
-    for run in runs:
-        wanted = (run.policy, str(build_policy(run.policy, run.budget).budget))
-        same_targets = run.policy != "oracle" or theirs["query_power"] == settings["query_power"]
-        if same_targets and all(wanted in found for found in measured.values()):
-            reused.add(wanted)
-        else:
-            left.append(run)
-    records = {name: [r for r in rows if r["policy"] == "dense" or (r["policy"], r["budget"]) in reused]
-               for name, rows in corpora.items()}
-    return records, left, sorted(f"{policy}@{budget}" for policy, budget in reused)
+    measured = {"": saved["references"]["records"],
+                **{source: c["references"]["records"] for source, c in saved.get("corpora", {}).items()}}
+    records, left, reused = {}, {}, {}
+    for name in corpora:
+        rows = measured.get(name, [])
+        found = {(r["policy"], r["budget"]) for r in rows if r["policy"] != "dense"}
+        here, left[name] = set(), []
+        for run in runs:
+            wanted = (run.policy, str(build_policy(run.policy, run.budget).budget))
+            same_targets = run.policy != "oracle" or theirs["query_power"] == settings["query_power"]
+            if same_targets and wanted in found:
+                here.add(wanted)
+            else:
+                left[name].append(run)
+        records[name] = [r for r in rows if here and (r["policy"] == "dense" or (r["policy"], r["budget"]) in here)]
+        reused[name] = sorted(f"{policy}@{budget}" for policy, budget in here)
+    return records, left, reused
 
 
 def evaluate_records(cfg, inputs: dict, model, runs) -> list[dict]:
@@ -716,14 +720,15 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         model.eval()
         runs = reference_runs(args, eval_budgets)
-        reused, runs, labels = (reusable_references(study.references_from, study.settings, runs)
-                                if study.references_from else ({}, runs, []))
+        names = ["", *others]
+        reused, left, labels = (reusable_references(study.references_from, study.settings, runs, names)
+                                if study.references_from else ({}, {name: runs for name in names}, {}))
 
         def references(config, corpus_inputs, name: str) -> list[dict]:
             """This corpus's reference records: those reused, then the runs left (their dense records dropped where
             the saved study's are reused)."""
-            fresh = evaluate_records(config, corpus_inputs, model, runs) if runs else []
-            if name in reused:
+            fresh = evaluate_records(config, corpus_inputs, model, left[name]) if left[name] else []
+            if reused.get(name):
                 fresh = reused[name] + [r for r in fresh if r["policy"] != "dense"]
             return fresh
 
@@ -732,7 +737,8 @@ def run(args) -> dict:
                                  "summary": summarize_records(refs, budgets, args.resamples, args.seed)},
                   "corpora": {}, "points": [], "meta": {"sessions": []}}
         if args.references_from:
-            result["references"]["reused_from"] = {"study": str(args.references_from), "settings": labels}
+            result["references"]["reused_from"] = {"study": str(args.references_from), "settings": labels[""],
+                                                   "corpora": {name: labels[name] for name in others}}
         for source, (other, other_inputs, _) in others.items():
             t0 = time.perf_counter()
             other_refs = references(other, other_inputs, source)
@@ -975,8 +981,10 @@ def render(result: dict) -> str:
              + f" (one epoch = {tokens_label(epoch_tokens)} tokens), constant lr {args['lr']} "
              f"after {args['warmup']} warm-up steps; one run evaluated at each token count on {n_text} held-out "
              f"sequences{recall_items}. Sessions: {sessions}."
-             + (f" Reference records of {', '.join(reuse['settings'])} reused from `{reuse['study']}` (same "
-                f"held-out items and base)." if (reuse := result["references"].get("reused_from")) else ""), "",
+             + (f" Reference records of {', '.join(reuse['settings']) or 'none'} reused from `{reuse['study']}` "
+                f"(same held-out items and base)" + "".join(
+                    f"; on `{name}`: {', '.join(done) or 'none'}" for name, done in reuse.get("corpora", {}).items())
+                + "." if (reuse := result["references"].get("reused_from")) else ""), "",
              "Intervals: 95 % percentile bootstrap over items (`pipelines.stats`); differences paired over the items "
              "both policies have; \"above\" / \"below\" only where the paired interval excludes 0. Best heuristic: "
              "the best of streaming / TOVA / H2O by point estimate, per metric"

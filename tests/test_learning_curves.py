@@ -241,6 +241,19 @@ def test_references_of_a_finished_study_are_reused_only_where_measured_alike(tin
     # other targets: the oracle is measured again
     beta = study("beta", "--query-power", "4", "--references-from", str(saved))
     assert "oracle@s2-w8-k22" not in beta["references"]["reused_from"]["settings"]
+    # a corpus the saved study did not evaluate: measured here, the others' records still reused
+    third = tmp_path / "third.jsonl"
+    write_docs(third, 30, seed=9, min_words=40, max_words=90)
+    more = study("more", "--eval-sources", str(other), str(third), "--references-from", str(saved))
+    assert more["references"]["reused_from"]["corpora"] == {str(other): again["references"]["reused_from"]["settings"],
+                                                            str(third): []}
+    assert text(more["corpora"][str(other)]["references"]["records"]) == \
+        text(first["corpora"][str(other)]["references"]["records"])
+    measured = more["corpora"][str(third)]["references"]["records"]
+    items = {r["item"] for r in measured}
+    assert len(items) == 3 and {r["policy"] for r in measured} == {"streaming", "tova", "oracle"}
+    assert {r["item"] for r in measured if r["policy"] == "tova"} == set(sorted(items)[:2])  # --dynamic-sequences 2
+    assert f"on `{third}`: none" in (tmp_path / "more" / "learning_curves_t.md").read_text()
     capsys.readouterr()
     assert curves.main(argv(tiny_setup, tmp_path / "bad", *common, "--eval-sequences", "2", "--references-from",
                             str(saved))) == 2
