@@ -232,9 +232,13 @@ def study_config(args, train_sequences: int, source: str | None = None):
         f"eval.task_min_dense={args.recall_min_dense}", f"eval.max_new_tokens={args.recall_tokens}",
         f"eval.generation_batch_size={args.recall_batch}", "eval.generation_prompts=0",
         f"eval.resamples={args.resamples}"]
-    budget = {"sink": args.sink, "window": args.window, "topk": args.topk}
-    return corpus_config(args.model, source or args.source, args.seq_len, budget, args.query_power,
+    return corpus_config(args.model, source or args.source, args.seq_len, training_budget(args), args.query_power,
                          args.eval_sequences, args.seed, 1 if source else train_sequences, evaluation)
+
+
+def training_budget(args) -> dict:
+    """The budget the scorer trains at, as :func:`corpus_config` takes it."""
+    return {"sink": args.sink, "window": args.window, "topk": args.topk}
 
 
 def resolved_dtype(args) -> str:
@@ -653,9 +657,8 @@ def open_study(args) -> Study:
     corpora = {source: study_config(args, pool, source) for source in dict.fromkeys(args.eval_sources)}
     mix = None
     if args.mix_source:
-        budget = {"sink": args.sink, "window": args.window, "topk": args.topk}
-        mix = corpus_config(args.model, args.mix_source, args.seq_len, budget, args.query_power, args.eval_sequences,
-                            args.seed, args.mix_sequences)
+        mix = corpus_config(args.model, args.mix_source, args.seq_len, training_budget(args), args.query_power,
+                            args.eval_sequences, args.seed, args.mix_sequences)
     for other in [*corpora.values(), *([mix] if mix else [])]:
         check_inputs(other)
     base = cfg.model.resolved_path()
