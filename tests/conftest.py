@@ -18,6 +18,15 @@ os.environ["RAY_AUTH_MODE"] = "disabled"
 os.environ.pop("MLFLOW_TRACKING_URI", None)
 # A stuck Ray Data pipeline fails the test instead of hanging it.
 os.environ.setdefault("RAY_DATA_EXECUTION_NO_PROGRESS_TIMEOUT_S", "300")
+# Ray Train's controller polls its workers every 2 s by default, and each state change of a run (workers started,
+# finished, shut down; a report for Tune) waits for the next poll: seconds of every training run's wall time. A
+# poll that takes longer is not an error (a worker is declared hung only after 10 min), so a shorter interval only
+# waits less. Set before the session's cluster starts, so that its workers (Tune trials) and subprocess drivers
+# inherit it as well.
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Ray Train starts a PreemptionWatcher actor (one more Python process, ~2-4 s of the 2 cores) per training run to
+# poll the nodes' drain state; a one-node local test cluster is never drained.
+os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
 import random  # noqa: E402
 

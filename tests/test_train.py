@@ -95,13 +95,16 @@ def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targe
 
 
 def _driver(cfg, ray_address: str, crash_at: str, tmp_path) -> subprocess.CompletedProcess:
-    """``train.run(cfg)`` in its own driver process that dies at ``crash_at`` (``os._exit``: nothing cleaned up)."""
+    """``train.run(cfg)`` in its own driver process that dies at ``crash_at`` (``os._exit``: nothing cleaned up).
+
+    It joins the session's cluster through ``RAY_ADDRESS`` as a CLI does (``pipelines.cluster.ensure_ray``), when
+    the stage needs Ray: a driver that only completes the commit does not connect (nor pay for it)."""
     script = tmp_path / "driver.py"
-    script.write_text("import json, sys\nimport ray\nfrom pipelines import train\n"
+    script.write_text("import json, sys\nfrom pipelines import train\n"
                       "from pipelines.config import config_from_dict\n"
-                      "ray.init(address=sys.argv[2])\ntrain.run(config_from_dict(json.loads(sys.argv[1])))\n")
-    env = {**os.environ, "PYTHONPATH": str(REPO), records.CRASH_ENV: crash_at}
-    return subprocess.run([sys.executable, str(script), json.dumps(cfg.to_dict()), ray_address], env=env,
+                      "train.run(config_from_dict(json.loads(sys.argv[1])))\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO), records.CRASH_ENV: crash_at, "RAY_ADDRESS": ray_address}
+    return subprocess.run([sys.executable, str(script), json.dumps(cfg.to_dict())], env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -148,9 +151,10 @@ def test_the_mlflow_run_is_committed_exactly_once_whatever_point_the_driver_dies
         assert proc.returncode == records.CRASH_EXIT_CODE, proc.stderr[-3000:]
         assert state() == after, point
         output = proc.stdout + proc.stderr
-        if point == "train.fitted":  # the only run that trains: one line per step
+        if point == "train.fitted":  # the only run that trains (on the session's cluster): one line per step
             assert output.count("[kvpop.train] step 1/2 ") == 1 and output.count("[kvpop.train] step 2/2 ") == 1, \
                 output[-3000:]
+            assert f"Connecting to existing Ray cluster at address: {ray_cluster}" in output, output[-3000:]
         else:
             assert "[kvpop.train] step" not in output and "completing its MLflow run" in output
     proc = _driver(cfg, ray_cluster, "", tmp_path)
