@@ -16,6 +16,14 @@ and KV head), so that callers can average per layer / head and bootstrap over se
    priorities), and the share of the oracle's future-attention mass ``Σ exp(y)`` that they hold.
 3. **Rank correlation**: Spearman's ρ of priority with the teacher's over the tokens that have a target.
 
+4. **Attention under eviction** (:func:`attention_under_eviction`): at every query of every layer and query head,
+   on the dense model's own (teacher-forced) attention, the share that falls on tokens the rule has evicted by then,
+   and how far the head's output moves when the softmax runs over the retained tokens only — what the three views
+   above approximate through the targets, measured on what the outputs are made of. The share is split
+   into the band a streaming cache of the same size keeps (ages ``w <= d - t < w + k``) and the older tokens: what a
+   scorer gives up near the window for what it holds far back. A token can hold much attention and little output
+   (a secondary attention sink with a small value): the output change is the one that counts.
+
 Every view also runs the reference rules as priorities through the same code: ``newest`` (priority = position:
 always admits ``t_new``, what a scorer that learned only recency does), ``oldest`` (never admits), ``random``
 (seeded) and ``oracle`` (the teacher's own priorities: 1.0 by construction).
@@ -188,6 +196,67 @@ def diagnose(student: torch.Tensor, targets: torch.Tensor, budgets, *, recency: 
     return report
 
 
+def attention_under_eviction(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             evictions: dict[str, torch.Tensor], budget: Budget, *, scale: float,
+                             rows: int = 256) -> dict[str, dict[str, torch.Tensor]]:
+    """Per rule, four ``[B, H, S]`` tensors over query positions ``d`` of one attention layer:
+
+    - ``lost``: the share of ``d``'s dense causal attention on tokens the rule no longer retains at ``d`` (METHOD
+      §1's predicate on its eviction positions);
+    - ``lost_far``: the part of it on tokens older than the streaming band (``d - t >= window + topk``);
+    - ``output_change``: ``|o_rule - o|``, how far the head's output moves when attention is the softmax over the
+      retained tokens only (what the masked forward computes) instead of over all of them, and ``output_norm``:
+      ``|o|`` (the same for every rule). Compare their sums, not their per-query ratio: a head that attends to a
+      sink has a near-zero output, which any change makes a large relative error that the residual stream barely
+      sees.
+
+    ``queries [B, H, S, D]``, ``keys [B, Hkv, S, D]`` and ``values [B, Hkv, S, Dv]`` as attention saw them (after
+    RoPE and norms; query head ``h`` reads KV head ``h // (H / Hkv)``, as ``repeat_kv`` does); ``evictions``:
+    ``{rule: [B, Hkv, S]}`` from :func:`kvpop.retention.eviction_positions`. Rows are processed ``rows`` queries at
+    a time (no ``[S, S]`` per head is held); computed in float32 at least. Queries before ``budget.total`` lose
+    nothing under any rule and are not computed (0).
+    """
+    batch, heads, size, _ = queries.shape
+    kv_heads = keys.shape[1]
+    if keys.shape[0] != batch or keys.shape[2] != size or heads % kv_heads or values.shape[:3] != keys.shape[:3]:
+        raise ValueError(f"queries {tuple(queries.shape)}, keys {tuple(keys.shape)} and values "
+                         f"{tuple(values.shape)} must be [B, H, S, D], [B, Hkv, S, D] and [B, Hkv, S, Dv] with H a "
+                         f"multiple of Hkv")
+    for name, e in evictions.items():
+        if tuple(e.shape) != (batch, kv_heads, size):
+            raise ValueError(f"evictions[{name!r}] must be [B, Hkv, S] = {(batch, kv_heads, size)}, "
+                             f"got {tuple(e.shape)}")
+    group = heads // kv_heads
+    dtype = torch.promote_types(queries.dtype, torch.float32)
+    k, v = keys.to(dtype)[:, :, None], values.to(dtype)[:, :, None]  # [B, Hkv, 1, S, D]: shared by the group
+    q = queries.to(dtype).unflatten(1, (kv_heads, group))  # [B, Hkv, G, S, D], as repeat_kv pairs them
+    evicted_at = {name: e[:, :, None, None, :] for name, e in evictions.items()}  # [B, Hkv, 1, 1, S]
+    out = {name: {part: queries.new_zeros(batch, heads, size, dtype=dtype)
+                  for part in ("lost", "lost_far", "output_change", "output_norm")} for name in evictions}
+    first = min(budget.total, size)  # before it no query has more tokens than the budget: nothing is evicted
+    for start in range(first, size, rows):
+        end = min(start + rows, size)
+        pos = torch.arange(end, device=queries.device)  # keys past the chunk's last query get no attention
+        d = pos[start:, None]  # [r, 1]
+        probs = (q[:, :, :, start:end] @ k[..., :end, :].transpose(-1, -2) * scale).masked_fill(
+            pos[None, :] > d, float("-inf")).softmax(-1)  # [B, Hkv, G, r, end]
+        dense = probs @ v[..., :end, :]
+        dense_norm = dense.norm(dim=-1).flatten(1, 2)
+        eligible = (pos[None, :] >= budget.sink) & (pos[None, :] <= d - budget.window)  # [r, end]
+        far = (d - pos[None, :]) >= budget.window + budget.topk
+        for name, e in evicted_at.items():
+            gone = probs * (eligible & (e[..., :end] <= d)).to(dtype)  # METHOD §1: evicted = eligible, past e[t]
+            lost = gone.sum(-1)
+            kept_out = (dense - gone @ v[..., :end, :]) / (1 - lost)[..., None].clamp(min=torch.finfo(dtype).tiny)
+            cell = out[name]
+            rows_of = slice(start, end)
+            cell["lost"][:, :, rows_of] = lost.flatten(1, 2)
+            cell["lost_far"][:, :, rows_of] = (gone * far.to(dtype)).sum(-1).flatten(1, 2)
+            cell["output_change"][:, :, rows_of] = (kept_out - dense).norm(dim=-1).flatten(1, 2)
+            cell["output_norm"][:, :, rows_of] = dense_norm
+    return out
+
+
 def summarize(report: dict, dim: int = 1) -> dict:
     """The report with every per-row tensor averaged over ``dim`` (the sequences: ``[layers, Hkv]`` remain),
     ignoring NaN rows."""
@@ -228,3 +297,48 @@ def diagnose_model(model, input_ids: torch.Tensor, topks=(), *, features: str = 
                                  if int(k) != policy.budget.topk]
     return diagnose(torch.cat(students, 1), torch.cat(targets, 1), budgets, recency=policy.recency,
                     queries=queries, seed=seed)
+
+
+@torch.no_grad()
+def attention_model(model, input_ids: torch.Tensor, topks=(), *, batch_size: int = 1, seed: int = 0,
+                    target_options: dict | None = None) -> dict:
+    """:func:`attention_under_eviction` of a retrofitted model's scorers and the reference rules on held-out
+    ``input_ids [N, S]``, per layer: ``{str(budget): {rule: {part: [layers, N, H]}}}`` with the parts of
+    :func:`attention_under_eviction`, each the mean over the queries at which eviction can happen (``d >=
+    budget.total``; before that every rule keeps every token).
+
+    Priorities as in :func:`diagnose_model` (the student's own forward; the teacher's targets with the policy's
+    recency term for ``oracle``; ``newest`` is a streaming cache of the same size); the attention is the dense
+    pass's. Budgets: the policy's and one per extra long-range size in ``topks``.
+    """
+    from kvpop.online import online_targets, student_priorities
+    from kvpop.retrofit import attention_modules, runtime_of
+
+    policy = runtime_of(model).policy
+    budgets = [policy.budget] + [Budget(policy.budget.sink, policy.budget.window, int(k)) for k in topks
+                                 if int(k) != policy.budget.topk]
+    modules = attention_modules(model)
+    found: dict = {str(b): {} for b in budgets}
+    for batch in input_ids.split(batch_size):
+        online = online_targets(model, batch, keep=("queries", "keys", "values"), **(target_options or {}))
+        teacher = with_recency(online["targets"].double(), policy.recency)
+        rules = {"scorer": student_priorities(model, batch).double(), **reference_priorities(teacher, seed=seed)}
+        for layer, module in enumerate(modules):
+            q, k, v = online["queries"][layer], online["keys"][layer], online["values"][layer]
+            scale = getattr(module, "scaling", q.shape[-1] ** -0.5)
+            for budget in budgets:
+                evictions = {name: eviction_positions(p[layer], budget) for name, p in rules.items()}
+                measured = attention_under_eviction(q, k, v, evictions, budget, scale=scale)
+                for name, parts in measured.items():
+                    cell = found[str(budget)].setdefault(name, {part: [] for part in parts})
+                    for part, value in parts.items():
+                        cell[part].append((layer, value[..., budget.total:].mean(-1).cpu()))
+    out: dict = {}
+    for key, rules_found in found.items():
+        out[key] = {}
+        for name, parts in rules_found.items():
+            out[key][name] = {}
+            for part, entries in parts.items():  # [(layer, [b, H]) per batch] -> [layers, N, H]
+                per_layer = [torch.cat([v for i, v in entries if i == layer]) for layer in range(len(modules))]
+                out[key][name][part] = torch.stack(per_layer)
+    return out

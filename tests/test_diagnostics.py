@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from kvpop import Budget
-from kvpop.diagnostics import (REFERENCES, auc, average_ranks, decision_metrics, default_queries, diagnose,
-                               kept_long_range, spearman, summarize)
-from kvpop.retention import with_recency
+from kvpop.diagnostics import (REFERENCES, attention_under_eviction, auc, average_ranks, decision_metrics,
+                               default_queries, diagnose, kept_long_range, spearman, summarize)
+from kvpop.retention import eviction_positions, visible, with_recency
 
 
 # ----------------------------------------------------------------------------- brute-force references (pure python)
@@ -198,6 +198,66 @@ def test_edge_budgets_give_nan_not_errors():
         assert torch.isnan(per_budget["kept"]["scorer"]["overlap"]).all()
     report = diagnose(student, targets, [Budget(0, 40, 3)])  # no token has a target either
     assert torch.isnan(report["spearman"]["scorer"]).all()
+
+
+def ref_attention(q, k, v, priority, budget, scale):
+    """Explicit per head: the dense causal softmax, the rule's mask from the per-query top-k (``visible``), the share
+    outside it, the share outside it older than the streaming band (python loops over the band), and the output of a
+    softmax over the retained tokens only against the dense output. Queries before B are computed too (all 0)."""
+    batch, heads, size, _ = q.shape
+    group = heads // k.shape[1]
+    lost, far, change, norm = (torch.zeros(batch, heads, size, dtype=torch.float64) for _ in range(4))
+    causal = torch.ones(size, size).tril().bool()
+    for b in range(batch):
+        for h in range(heads):
+            kv = h // group
+            scores = (q[b, h].double() @ k[b, kv].double().T) * scale
+            probs = scores.masked_fill(~causal, -math.inf).softmax(-1)
+            keep = visible(priority[b, kv], budget)
+            gone = torch.where(keep, 0.0, probs)
+            lost[b, h] = gone.sum(-1)
+            for d in range(size):
+                far[b, h, d] = sum(gone[d, t].item() for t in range(size) if d - t >= budget.window + budget.topk)
+            dense = probs @ v[b, kv].double()
+            masked = scores.masked_fill(~keep, -math.inf).softmax(-1) @ v[b, kv].double()
+            change[b, h], norm[b, h] = (masked - dense).norm(dim=-1), dense.norm(dim=-1)
+    return {"lost": lost, "lost_far": far, "output_change": change, "output_norm": norm}
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_attention_under_eviction_matches_brute_force(ties):
+    """Against the explicit softmaxes and the per-query rule, GQA and MHA, on random budgets with the edges
+    (``k = 0``, ``s = 0``, ``w >= S``); and nothing lost, no output change, for a rule that keeps everything."""
+    gen = torch.Generator().manual_seed(3 + ties)
+    for n, (size, budget) in enumerate(cases(6, seed=11)):
+        heads, kv_heads = (4, 2) if n % 2 else (2, 2)
+        q = torch.randn(2, heads, size, 8, generator=gen, dtype=torch.float64)
+        k = torch.randn(2, kv_heads, size, 8, generator=gen, dtype=torch.float64)
+        v = torch.randn(2, kv_heads, size, 5, generator=gen, dtype=torch.float64)
+        priority = (torch.randint(0, 3, (2, kv_heads, size), generator=gen).double() if ties
+                    else torch.randn(2, kv_heads, size, generator=gen, dtype=torch.float64))
+        found = attention_under_eviction(q, k, v, {"rule": eviction_positions(priority, budget)}, budget, scale=0.3,
+                                         rows=7)["rule"]
+        reference = ref_attention(q, k, v, priority, budget, 0.3)
+        reference["output_norm"][..., :budget.total] = 0  # not computed before B (nothing is evicted there)
+        for part, value in reference.items():
+            torch.testing.assert_close(found[part], value, atol=1e-10, rtol=0, msg=f"{part} {size} {budget}")
+    everything = Budget(1, 2, 64)
+    q, k, v = torch.randn(1, 2, 20, 4), torch.randn(1, 1, 20, 4), torch.randn(1, 1, 20, 3)
+    kept = attention_under_eviction(q, k, v, {"all": eviction_positions(torch.randn(1, 1, 20), everything)},
+                                    everything, scale=1.0)["all"]
+    assert all((kept[part] == 0).all() for part in ("lost", "lost_far", "output_change"))
+
+
+def test_attention_under_eviction_refuses_bad_shapes():
+    q, k, v = torch.randn(1, 3, 10, 4), torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        attention_under_eviction(q, k, v, {}, Budget(0, 2, 2), scale=1.0)
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        attention_under_eviction(torch.randn(1, 2, 10, 4), k, v[:, :1], {}, Budget(0, 2, 2), scale=1.0)
+    with pytest.raises(ValueError, match=r"evictions\['x'\]"):
+        attention_under_eviction(torch.randn(1, 2, 10, 4), k, v, {"x": torch.zeros(1, 2, 9, dtype=torch.long)},
+                                 Budget(0, 2, 2), scale=1.0)
 
 
 def test_bad_input_is_refused():

@@ -273,7 +273,7 @@ def test_transfer_diagnostics_of_a_saved_scorer_per_corpus(tiny_setup, home, sav
     common = ["--model", str(tiny_setup / "teacher"), "--seq-len", "64", "--sequences", "3", "--batch", "3",
               "--out", str(tmp_path), "--tag", "t"]
     assert transfer.main(["--checkpoint", str(saved / manifest["model"]), "--sources", str(tiny_setup / "docs.jsonl"),
-                          str(other), *common]) == 0
+                          str(other), "--topks", "4", *common]) == 0
     result = json.loads((tmp_path / "transfer_diagnostics_t.json").read_text())
     mine, theirs = (result["sources"][str(src)]["budgets"]["s2-w8-k16"]["scorer"]
                     for src in (tiny_setup / "docs.jsonl", other))
@@ -281,6 +281,20 @@ def test_transfer_diagnostics_of_a_saved_scorer_per_corpus(tiny_setup, home, sav
     assert mine["agreement"] == pytest.approx(study["agreement"], abs=1e-5)  # same scorer, same held-out sequences
     assert theirs["agreement"] != pytest.approx(mine["agreement"], abs=1e-5)
     assert (tmp_path / "transfer_diagnostics_t_layers.png").stat().st_size > 0
+    for found in result["sources"].values():  # the attention each rule evicts, at both budgets, per sequence
+        assert sorted(found["attention"]) == ["s2-w8-k16", "s2-w8-k4"]
+        for rules in found["attention"].values():
+            assert sorted(rules) == ["newest", "oldest", "oracle", "random", "scorer"]
+            assert len(rules["scorer"]["lost_per_sequence"]) == 3
+            assert rules["newest"]["lost_near"] == pytest.approx(0, abs=1e-6)  # streaming keeps its own band
+    report = (tmp_path / "transfer_diagnostics_t.md").read_text()
+    assert report.count("| s2-w8-k4 |") == 2 and "under each rule's evictions" in report
+    assert transfer.main(["--checkpoint", str(saved / manifest["model"]), "--sources", str(other), "--no-decisions",
+                          *common]) == 0  # the attention view alone: the same numbers
+    alone = json.loads((tmp_path / "transfer_diagnostics_t.json").read_text())["sources"][str(other)]
+    assert "budgets" not in alone
+    assert alone["attention"]["s2-w8-k16"]["scorer"]["output_error"] == pytest.approx(
+        result["sources"][str(other)]["attention"]["s2-w8-k16"]["scorer"]["output_error"], abs=1e-6)
     capsys.readouterr()
     assert transfer.main(["--checkpoint", str(tmp_path), "--sources", str(other), *common]) == 2
     err = capsys.readouterr().err.strip()

@@ -6,7 +6,7 @@ import torch
 
 import kvpop
 from kvpop import Budget
-from kvpop.diagnostics import diagnose_model
+from kvpop.diagnostics import attention_model, diagnose_model
 from kvpop.online import dense_priorities, online_targets, scorer_only_step, student_priorities
 from kvpop.targets import future_attention_targets_dense, teacher_pass
 from tests.models import tiny_model
@@ -79,6 +79,38 @@ def test_diagnose_model_runs_on_both_feature_sources():
         dec = report["budgets"]["s2-w6-k8"]["decisions"]
         assert dec["scorer"]["agreement"].shape == (2, 3, 2)
         assert (dec["oracle"]["agreement"] == 1).all()
+
+
+def test_attention_model_matches_the_eager_attention():
+    """The dense model's own attention weights (HF eager, output_attentions) masked by each rule's per-query set
+    (``visible``): the same shares as :func:`attention_model`, per layer, sequence and query head; streaming
+    loses nothing in its own band. (The output error is held to its brute force in test_diagnostics.)"""
+    from kvpop.retention import visible, with_recency
+    from kvpop.retrofit import runtime_of
+
+    base, model = retrofitted()
+    ids = torch.randint(0, 97, (3, S))
+    budget = Budget(2, 6, 8)
+    found = attention_model(model, ids, topks=[3], batch_size=2)
+    assert list(found) == ["s2-w6-k8", "s2-w6-k3"]
+    base.config._attn_implementation = "eager"
+    with torch.no_grad():
+        attentions = base(input_ids=ids, output_attentions=True).attentions  # per layer [B, H, S, S]
+    targets = online_targets(model, ids)["targets"].double()
+    priorities = {"scorer": student_priorities(model, ids).double(),
+                  "oracle": with_recency(targets, runtime_of(model).policy.recency),
+                  "newest": torch.arange(S, dtype=torch.float64).expand(targets.shape)}
+    for rule, priority in priorities.items():
+        for layer, probs in enumerate(attentions):
+            for b in (budget, Budget(2, 6, 3)):
+                keep = visible(priority[layer], b).repeat_interleave(2, dim=1)  # [B, Hkv, S, S] -> query heads
+                lost = torch.where(keep, 0.0, probs.double()).sum(-1)[..., b.total:].mean(-1)
+                torch.testing.assert_close(found[str(b)][rule]["lost"][layer].double(), lost, atol=1e-5, rtol=0)
+    assert (found["s2-w6-k3"]["scorer"]["output_change"] > 0).all()
+    for b in found.values():
+        torch.testing.assert_close(b["newest"]["lost"], b["newest"]["lost_far"], atol=1e-6, rtol=0)
+        for parts in b.values():
+            assert ((parts["lost_far"] <= parts["lost"] + 1e-6) & (parts["lost"] <= 1 + 1e-6)).all()
 
 
 def test_bad_use_is_refused():
