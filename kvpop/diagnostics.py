@@ -269,6 +269,11 @@ def summarize(report: dict, dim: int = 1) -> dict:
     return mean(report)
 
 
+def with_topks(budget: Budget, topks) -> list[Budget]:
+    """``budget`` then one budget per other long-range size in ``topks`` (same sink and window)."""
+    return [budget] + [Budget(budget.sink, budget.window, int(k)) for k in topks if int(k) != budget.topk]
+
+
 @torch.no_grad()
 def diagnose_model(model, input_ids: torch.Tensor, topks=(), *, features: str = "student", batch_size: int = 4,
                    queries=None, seed: int = 0, target_options: dict | None = None) -> dict:
@@ -293,8 +298,7 @@ def diagnose_model(model, input_ids: torch.Tensor, topks=(), *, features: str = 
         targets.append(online["targets"])
         students.append(dense_priorities(model, online["keys"], online["values"]) if features == "dense"
                         else student_priorities(model, batch))
-    budgets = [policy.budget] + [Budget(policy.budget.sink, policy.budget.window, int(k)) for k in topks
-                                 if int(k) != policy.budget.topk]
+    budgets = with_topks(policy.budget, topks)
     return diagnose(torch.cat(students, 1), torch.cat(targets, 1), budgets, recency=policy.recency,
                     queries=queries, seed=seed)
 
@@ -315,10 +319,9 @@ def attention_model(model, input_ids: torch.Tensor, topks=(), *, batch_size: int
     from kvpop.retrofit import attention_modules, runtime_of
 
     policy = runtime_of(model).policy
-    budgets = [policy.budget] + [Budget(policy.budget.sink, policy.budget.window, int(k)) for k in topks
-                                 if int(k) != policy.budget.topk]
+    budgets = with_topks(policy.budget, topks)
     modules = attention_modules(model)
-    found: dict = {str(b): {} for b in budgets}
+    found: dict = {str(b): {} for b in budgets}  # budget -> rule -> part -> per layer, the batches' [b, H]
     for batch in input_ids.split(batch_size):
         online = online_targets(model, batch, keep=("queries", "keys", "values"), **(target_options or {}))
         teacher = with_recency(online["targets"].double(), policy.recency)
@@ -330,15 +333,10 @@ def attention_model(model, input_ids: torch.Tensor, topks=(), *, batch_size: int
                 evictions = {name: eviction_positions(p[layer], budget) for name, p in rules.items()}
                 measured = attention_under_eviction(q, k, v, evictions, budget, scale=scale)
                 for name, parts in measured.items():
-                    cell = found[str(budget)].setdefault(name, {part: [] for part in parts})
+                    cell = found[str(budget)].setdefault(name, {part: [[] for _ in modules] for part in parts})
                     for part, value in parts.items():
-                        cell[part].append((layer, value[..., budget.total:].mean(-1).cpu()))
-    out: dict = {}
-    for key, rules_found in found.items():
-        out[key] = {}
-        for name, parts in rules_found.items():
-            out[key][name] = {}
-            for part, entries in parts.items():  # [(layer, [b, H]) per batch] -> [layers, N, H]
-                per_layer = [torch.cat([v for i, v in entries if i == layer]) for layer in range(len(modules))]
-                out[key][name][part] = torch.stack(per_layer)
-    return out
+                        cell[part][layer].append(value[..., budget.total:].mean(-1).cpu())
+    return {key: {name: {part: torch.stack([torch.cat(batches) for batches in per_layer])
+                         for part, per_layer in parts.items()}
+                  for name, parts in rules_found.items()}
+            for key, rules_found in found.items()}
