@@ -326,24 +326,34 @@ def live_placement_groups() -> set[str]:
     return {pg for pg, info in placement_group_table().items() if info["state"] != "REMOVED"}
 
 
-def release_placement_groups(before: set[str]) -> list[str]:
+def release_placement_groups(before: set[str], timeout_s: float = 60.0) -> list[str]:
     """Remove the placement groups this driver's job created since ``before`` (:func:`live_placement_groups`) that
-    are still alive once every trial has ended; returns their ids.
+    are still alive once every trial has ended, and wait until the cluster lists them as removed; returns their ids.
 
     A trial's TorchTrainer controller removes its worker group's placement group when it shuts down; where Tune ends
     the trial's actor first (a trial ASHA stops; on the H200 also the sweep's last, finished trial), the group is left
     to Ray Train's detached ``PlacementGroupCleaner``, which removes it only once the state API says the controller is
     dead — and that API fails where the dashboard does not run (the H200's Ray) or two clusters share a machine. The
     group then holds the trial's GPU and CPUs for good: the train stage after an in-pipeline sweep waited for its
-    worker forever. A placement group id ends with its creator's job id: other jobs' groups are never touched."""
+    worker forever. A placement group id ends with its creator's job id: other jobs' groups are never touched.
+    Removal is asynchronous (the table still lists a group for a moment after ``remove_placement_group``), so this
+    polls until none is left, removing any that a controller still winding down creates meanwhile."""
     import ray
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
     job = ray.get_runtime_context().get_job_id()
-    left = sorted(pg for pg in live_placement_groups() - before if pg.endswith(job))
-    for pg in left:
-        remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
-    return left
+    released: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while left := sorted(pg for pg in live_placement_groups() - before if pg.endswith(job)):
+        for pg in left:
+            if pg not in released:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID.from_hex(pg)))
+                released.append(pg)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"placement groups {left} are still alive {timeout_s:.0f} s after their removal; "
+                               "`ray status` shows what holds them")
+        time.sleep(0.1)
+    return released
 
 
 def _close_trials(cfg: PipelineConfig, p: Plan, grid, experiment_id: str, parent_id: str) -> list[dict]:
