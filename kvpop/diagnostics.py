@@ -27,6 +27,10 @@ and KV head), so that callers can average per layer / head and bootstrap over se
 Every view also runs the reference rules as priorities through the same code: ``newest`` (priority = position:
 always admits ``t_new``, what a scorer that learned only recency does), ``oldest`` (never admits), ``random``
 (seeded) and ``oracle`` (the teacher's own priorities: 1.0 by construction).
+
+5. **Streaming layers** (:func:`streaming_layers`): the layers where the scorer's choices move the dense model's
+   attention outputs more than a streaming cache of the same size, the calibration ``kvpop.set_streaming_layers``
+   applies.
 """
 from __future__ import annotations
 
@@ -340,3 +344,36 @@ def attention_model(model, input_ids: torch.Tensor, topks=(), *, batch_size: int
                          for part, per_layer in parts.items()}
                   for name, parts in rules_found.items()}
             for key, rules_found in found.items()}
+
+
+def layer_output_errors(found: dict) -> dict:
+    """Per budget and rule of :func:`attention_model`'s result: the output error ``Σ |o_rule - o| / Σ |o|`` of each
+    layer over its sequences, queries and heads (a list, one float per layer)."""
+    return {budget: {rule: (parts["output_change"].double().mean((1, 2)) /
+                            parts["output_norm"].double().mean((1, 2))).tolist()
+                     for rule, parts in rules.items()}
+            for budget, rules in found.items()}
+
+
+def streaming_layers(model, input_ids: torch.Tensor, *, batch_size: int = 1) -> dict:
+    """Which layers should run a streaming cache instead of their scorer, from training text ``input_ids [N, S]``
+    (``S`` > the policy's ``B``): ``{"layers": [...], "scorer": [...], "streaming": [...]}``, the layers where the
+    scorer's output error (:func:`layer_output_errors`, at the policy's budget) exceeds newest-wins', and both
+    errors per layer. The model's scorers are measured as they are, whatever streaming layers it has now."""
+    from kvpop.retrofit import runtime_of
+
+    runtime = runtime_of(model)
+    if runtime.policy.name != "kvpop":
+        raise ValueError(f"streaming layers calibrate the kvpop policy's scorers, not {runtime.policy.name!r}")
+    if input_ids.dim() != 2 or input_ids.shape[1] <= runtime.policy.budget.total:
+        raise ValueError(f"calibration text must be [N, S] with S > B = {runtime.policy.budget.total} (where "
+                         f"eviction happens), got {tuple(input_ids.shape)}")
+    previous, runtime.streaming_layers = runtime.streaming_layers, frozenset()
+    try:
+        found = attention_model(model, input_ids, batch_size=batch_size)
+    finally:
+        runtime.streaming_layers = previous
+    errors = layer_output_errors(found)[str(runtime.policy.budget)]
+    scorer, streaming = errors["scorer"], errors["newest"]
+    return {"layers": [i for i, (a, b) in enumerate(zip(scorer, streaming)) if a > b], "scorer": scorer,
+            "streaming": streaming}

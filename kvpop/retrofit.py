@@ -54,6 +54,9 @@ class Runtime:
     # generate() feeds a longer prompt in chunks of this many columns, each compressed into the B slots before the
     # next (bounded prefill: K/V memory peaks at B + chunk per layer, not at the prompt's length)
     prefill_chunk: int = 2048
+    # layers whose scorer the kvpop policy leaves unused: their long-range slots go to the newest eligible tokens, a
+    # streaming cache of the same B (set_streaming_layers; saved in kvpop.json)
+    streaming_layers: frozenset[int] = frozenset()
 
 
 def _register() -> None:
@@ -182,6 +185,21 @@ def set_policy(model: nn.Module, policy: str | Policy, budget: Budget | None = N
     return pol
 
 
+def set_streaming_layers(model: nn.Module, layers) -> frozenset[int]:
+    """Make the kvpop policy rank ``layers``' long-range slots newest-wins (their scorers unused): in those layers the
+    cache is exactly a streaming cache of the same ``B``. A per-layer calibration of the model, chosen on training
+    text by :func:`kvpop.diagnostics.streaming_layers`; ``()`` restores the scorers everywhere."""
+    runtime = runtime_of(model)
+    chosen = frozenset(layers)
+    bad = sorted(i for i in chosen if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < runtime.num_layers)
+    if bad:
+        raise ValueError(f"streaming layers must be layer indices 0 … {runtime.num_layers - 1}, got {bad}")
+    if chosen and runtime.scorer_spec is None:
+        raise ValueError("streaming layers stand in for scorers: this model has none (retrofit with a scorer)")
+    runtime.streaming_layers = chosen
+    return chosen
+
+
 @contextlib.contextmanager
 def oracle_priorities(model: nn.Module, targets: torch.Tensor):
     """Make the oracle policy read ``targets [layers, B, Hkv, S]`` (teacher future attention) within the block."""
@@ -224,6 +242,7 @@ def _describe(model: nn.Module) -> dict:
         "recency": pol.recency,
         "scorer": runtime.scorer_spec,
         "scorer_window": attention_modules(model)[0].kvpop_scorer.window if runtime.scorer_spec else None,
+        "streaming_layers": sorted(runtime.streaming_layers),
         "num_layers": runtime.num_layers,
         "num_kv_heads": runtime.num_kv_heads,
         "head_dim": runtime.head_dim,
@@ -352,6 +371,7 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
              recency=meta.get("recency", 0.0), scorer_options=spec)
     if spec is not None or name is not None:
         load_scorers(model, path)
+        set_streaming_layers(model, meta.get("streaming_layers", ()))
     tokenizer = None
     for candidate in (path, folder):
         if (candidate / "tokenizer_config.json").is_file():

@@ -301,6 +301,55 @@ def test_transfer_diagnostics_of_a_saved_scorer_per_corpus(tiny_setup, home, sav
     assert len(err.splitlines()) == 1 and "no kvpop.json" in err, err
 
 
+def test_streaming_layers_benchmark_calibrates_on_training_text_scores_held_out_and_resumes(tiny_setup, home, saved,
+                                                                                               tmp_path, capsys):
+    """``benchmarks/streaming_layers.py`` on a study's saved scorer: the layers it calibrates are
+    :func:`kvpop.diagnostics.streaming_layers`'s on the training split; every layer streaming scores exactly as
+    streaming; a re-run measures nothing again; other layers on the same records are refused in one line."""
+    from benchmarks import streaming_layers as bench
+    from benchmarks.learning_curves import corpus_config
+    from kvpop.diagnostics import streaming_layers
+    from pipelines.data import load_sequences, load_tokenizer
+
+    checkpoint = saved / json.loads((saved / "state.json").read_text())["model"]
+    docs = str(tiny_setup / "docs.jsonl")
+    common = ["--checkpoint", str(checkpoint), "--model", str(tiny_setup / "teacher"), "--seq-len", "64",
+              "--sources", docs, "--sequences", "3", "--dynamic-sequences", "1", "--out", str(tmp_path)]
+    assert bench.main([*common, "--calibrate-source", docs, "--calibrate-sequences", "2", "--tag", "cal"]) == 0
+    result = json.loads((tmp_path / "streaming_layers_cal.json").read_text())
+    meta = json.loads((checkpoint / "kvpop.json").read_text())
+    cfg = corpus_config(str(tiny_setup / "teacher"), docs, 64, meta["budget"], 1.0, 1, train_sequences=2)
+    ids = torch.tensor([r["input_ids"] for r in load_sequences(cfg, "train", load_tokenizer(cfg))[:2]])
+    model = bench.load_model(bench.parse_args([*common, "--layers", "0"]), meta, cfg)
+    assert result["layers"] == streaming_layers(model, ids)["layers"] == result["calibration"]["layers"]
+    records = (tmp_path / "streaming_layers_cal_items.jsonl").read_text().splitlines()
+    assert len(records) == 3 * 3 + 2  # three static rules per sequence, TOVA and H2O on the first
+    calibration = (tmp_path / "streaming_layers_cal_calibration.json").read_text()
+    assert bench.main([*common, "--calibrate-source", docs, "--calibrate-sequences", "2", "--tag", "cal"]) == 0
+    assert (tmp_path / "streaming_layers_cal_items.jsonl").read_text().splitlines() == records  # nothing re-measured
+    assert (tmp_path / "streaming_layers_cal_calibration.json").read_text() == calibration  # nor re-calibrated
+    capsys.readouterr()
+    assert bench.main([*common, "--calibrate-source", docs, "--calibrate-sequences", "1", "--tag", "cal"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds a calibration of checkpoint" in err and "sequences 2" in err, err
+
+    every = f"0-{model.kvpop_runtime.num_layers - 1}"
+    assert bench.main([*common, "--layers", every, "--tag", "all"]) == 0
+    cell = json.loads((tmp_path / "streaming_layers_all.json").read_text())["summary"][docs]
+    assert cell["items"] == [0, 1, 2] and cell["dynamic_items"] == [0]
+    assert cell["kl"]["kvpop+streaming_layers"] == pytest.approx(cell["kl"]["streaming"], abs=1e-6)
+    assert cell["kl"]["kvpop"] != pytest.approx(cell["kl"]["streaming"], abs=1e-6)
+    assert cell["kl:kvpop+streaming_layers-streaming"]["mean"] == pytest.approx(0, abs=1e-6)
+    assert cell["kl:kvpop+streaming_layers-tova"]["n"] == 1
+    assert "| top1 |" in (tmp_path / "streaming_layers_all.md").read_text()
+    capsys.readouterr()
+    assert bench.main([*common, "--layers", "0", "--tag", "all"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds records of checkpoint" in err and "layers [0, 1" in err, err
+    assert bench.main([*common, "--layers", "0", "--checkpoint", str(tmp_path)]) == 2
+    assert "no kvpop.json" in capsys.readouterr().err
+
+
 def test_shards_stay_under_the_limit_and_round_trip(tmp_path):
     generator = torch.Generator().manual_seed(0)
     tensors = {f"layer.{i}.exp_avg": torch.randn(i + 1, 7, generator=generator) for i in range(12)}

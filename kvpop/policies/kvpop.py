@@ -3,6 +3,10 @@
 ``stepwise=True`` computes a sequence's priorities with the scorer's recurrent step instead of its parallel form:
 bit-identical to what decoding computes. The two forms agree to ~1e-6 in fp32, which is enough to flip a ranking
 at a near-tie; the stepwise mode separates that floating-point effect from real bugs in invariant checks.
+
+The model's *streaming layers* (``kvpop.set_streaming_layers``) skip their scorer: every eligible token gets priority
+0, so ties go to the newer (METHOD §1) and the ``topk`` slots hold the newest eligible tokens — with the window, the
+``window + topk`` newest tokens, a streaming cache of the same ``B``, in the mask and the cache alike.
 """
 from __future__ import annotations
 
@@ -22,6 +26,10 @@ def _scorer(layer):
     return scorer
 
 
+def _streams(layer) -> bool:
+    return layer.layer_idx in layer.runtime.streaming_layers
+
+
 def _stepwise(scorer, keys, values, valid):
     """Priorities ``[B, Hkv, S]`` of a whole sequence from the recurrent step (the last ``window`` stay 0)."""
     prio, _ = step_through(scorer, keys, values, scorer.init_state(keys.shape[0], keys.device), valid)
@@ -34,11 +42,15 @@ class KVpop(StaticPolicy):
     name: ClassVar[str] = "kvpop"
 
     def sequence_priorities(self, layer, keys, values, valid, positions):
+        if _streams(layer):
+            return super().sequence_priorities(layer, keys, values, valid, positions)
         if self.stepwise:
             return _stepwise(_scorer(layer), keys, values, valid)
         return _scorer(layer)(keys, values, valid=valid)
 
     def resume(self, layer, keys, values, valid, positions, state):
+        if _streams(layer):
+            return super().resume(layer, keys, values, valid, positions, state)
         scorer = _scorer(layer)
         if state is None:
             state = scorer.init_state(keys.shape[0], keys.device)
@@ -47,7 +59,12 @@ class KVpop(StaticPolicy):
         return scorer.resume(keys, values, state, valid=valid)
 
     def step(self, layer, key, value, valid, position, state):
+        if _streams(layer):
+            return super().step(layer, key, value, valid, position, state)
         scorer = _scorer(layer)
         if state is None:
             state = scorer.init_state(key.shape[0], key.device)
         return scorer.step(key, value, state, valid=valid)
+
+    def priorities_at(self, layer, positions, num_kv_heads):  # the streaming layers' (the base class's paths)
+        return torch.zeros(positions.shape[0], num_kv_heads, positions.shape[-1], device=positions.device)
