@@ -104,14 +104,16 @@ def attention_summary(found: dict) -> dict:
     """Per budget and rule: the mean share of attention lost (``lost``), its part older than the streaming band
     (``lost_far``) and the rest (``lost_near``), and the output error ``Σ |o_rule - o| / Σ |o|`` over queries and
     heads (``output_error``); each per layer, and per sequence (for paired intervals)."""
-    out = {}
+    from kvpop.diagnostics import layer_output_errors
+
+    out, per_layer = {}, layer_output_errors(found)
     for budget, rules in found.items():
         out[budget] = {}
         for rule, parts in rules.items():
             lost, far, change, norm = (parts[p].double() for p in ("lost", "lost_far", "output_change", "output_norm"))
             cell = out[budget][rule] = {"lost_near": (lost - far).mean().item(),
                                         "output_error": (change.mean() / norm.mean()).item(),
-                                        "output_error_per_layer": (change.mean((1, 2)) / norm.mean((1, 2))).tolist(),
+                                        "output_error_per_layer": per_layer[budget][rule],
                                         "output_error_per_sequence": (change.mean((0, 2)) / norm.mean((0, 2))).tolist()}
             for name, value in (("lost", lost), ("lost_far", far)):  # [layers, N, H]
                 cell[name] = value.mean().item()
