@@ -205,6 +205,23 @@ def budgets_for(args):
     return train, evals, unreachable
 
 
+def load_saved_scorer(folder, meta: dict, cfg, device: str = "cpu"):
+    """A saved scorer folder (``kvpop.json`` ``meta`` + ``kvpop_scorers.safetensors``) retrofitted onto ``cfg``'s base
+    model (bf16 on CUDA, fp32 else), in eval mode."""
+    import torch
+
+    import kvpop
+    from kvpop.pretrained import load_pretrained
+
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, _ = load_pretrained(cfg.model.resolved_path(), dtype=dtype, device=device)
+    kvpop.retrofit(model, kvpop.Budget(**meta["budget"]), scorer=meta["scorer"]["name"], policy=meta["policy"],
+                   recency=meta["recency"], scorer_options={k: v for k, v in meta["scorer"].items() if k != "name"})
+    kvpop.load_scorers(model, folder)
+    return model.eval()
+
+
 def corpus_config(model: str, source: str, seq_len: int, budget: dict, query_power: float, eval_sequences: int,
                   seed: int = 0, train_sequences: int = 1, more: list[str] | None = None):
     """The pipeline config of one corpus's sequences at a scorer's ``budget`` (``{"sink", "window", "topk"}``) and

@@ -59,21 +59,6 @@ def parse_args(argv=None):
     return args
 
 
-def load_model(args, meta, cfg):
-    import torch
-
-    import kvpop
-    from kvpop.pretrained import load_pretrained
-
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, _ = load_pretrained(cfg.model.resolved_path(), dtype=dtype, device=device)
-    kvpop.retrofit(model, kvpop.Budget(**meta["budget"]), scorer=meta["scorer"]["name"], policy=meta["policy"],
-                   recency=meta["recency"], scorer_options={k: v for k, v in meta["scorer"].items() if k != "name"})
-    kvpop.load_scorers(model, args.checkpoint)
-    return model.eval()
-
-
 def committed(path: Path, identity: dict, what: str) -> list[dict]:
     """The JSON lines of ``path`` (none if it is missing); a line of another run (``identity`` differs) is refused."""
     found = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -217,7 +202,7 @@ def render(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from benchmarks.learning_curves import corpus_config
+    from benchmarks.learning_curves import corpus_config, load_saved_scorer
     from kvpop import Budget
     from kvpop.files import atomic_write_text
     from pipelines.config import ConfigError
@@ -251,7 +236,7 @@ def main(argv=None) -> int:
         print(f"streaming_layers: {err}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(configs[0])
-    model = load_model(args, meta, configs[0])
+    model = load_saved_scorer(args.checkpoint, meta, configs[0], args.device)
     out.mkdir(parents=True, exist_ok=True)
     if args.calibrate_source and calibration is None:
         calibration = calibrate(model, args, meta, tokenizer, calibration_path)

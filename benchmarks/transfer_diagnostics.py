@@ -47,11 +47,10 @@ def run(args) -> dict:
     import torch
 
     import kvpop
-    from kvpop.pretrained import load_pretrained
     from pipelines.config import ConfigError
     from pipelines.data import check_inputs, load_sequences, load_tokenizer
 
-    from benchmarks.learning_curves import corpus_config, diagnostics
+    from benchmarks.learning_curves import corpus_config, diagnostics, load_saved_scorer
     from kvpop.diagnostics import attention_model
 
     folder = Path(args.checkpoint)
@@ -67,13 +66,8 @@ def run(args) -> dict:
     first = next(iter(configs.values()))
     tokenizer = load_tokenizer(first)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model, _ = load_pretrained(first.model.resolved_path(), dtype=dtype, device=device)
+    model = load_saved_scorer(folder, meta, first, args.device)
     budget = kvpop.Budget(**meta["budget"])
-    kvpop.retrofit(model, budget, scorer=meta["scorer"]["name"], policy=meta["policy"], recency=meta["recency"],
-                   scorer_options={k: v for k, v in meta["scorer"].items() if k != "name"})
-    kvpop.load_scorers(model, folder)
-    model.eval()
     result = {"checkpoint": str(folder), "budget": str(budget), "meta": meta, "args": vars(args), "sources": {}}
     for source, cfg in configs.items():
         t0 = time.perf_counter()

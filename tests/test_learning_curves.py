@@ -320,7 +320,7 @@ def test_streaming_layers_benchmark_calibrates_on_training_text_scores_held_out_
     meta = json.loads((checkpoint / "kvpop.json").read_text())
     cfg = corpus_config(str(tiny_setup / "teacher"), docs, 64, meta["budget"], 1.0, 1, train_sequences=2)
     ids = torch.tensor([r["input_ids"] for r in load_sequences(cfg, "train", load_tokenizer(cfg))[:2]])
-    model = bench.load_model(bench.parse_args([*common, "--layers", "0"]), meta, cfg)
+    model = curves.load_saved_scorer(checkpoint, meta, cfg)
     assert result["layers"] == streaming_layers(model, ids)["layers"] == result["calibration"]["layers"]
     records = (tmp_path / "streaming_layers_cal_items.jsonl").read_text().splitlines()
     assert len(records) == 3 * 3 + 2  # three static rules per sequence, TOVA and H2O on the first
