@@ -460,7 +460,7 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     if policy.dynamic:
         raise RuntimeError(f"the {policy.name} policy re-scores the cache every step: run it through the fixed "
                            "cache (model.generate, or kvpop.decode.teacher_forced_logits), not a one-pass forward")
-    layer = LayerView(module.layer_idx, module, runtime)
+    layer = LayerView(module.layer_idx, module, runtime, query, scale)
     if policy.ragged:  # DMS: one keep/evict decision per (token, KV head), no fixed budget (kvpop.policies.dms)
         if q_len != kv_len:
             raise ValueError("DMS runs one-pass over whole sequences (use_cache=False) or through its own cache")

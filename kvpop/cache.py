@@ -181,7 +181,7 @@ class KVpopLayer(CacheLayerMixin):
         valid = (torch.ones(bsz, chunk, dtype=torch.bool, device=query.device) if valid_cols is None
                  else valid_cols[:, -chunk:].to(device=query.device, dtype=torch.bool))
         self.columns += chunk
-        layer = LayerView(self.layer_idx, module, self.runtime)
+        layer = LayerView(self.layer_idx, module, self.runtime, query, scale)
         if chunk == 1:
             return self._step(layer, query, key_new[:, :, 0], value_new[:, :, 0], valid[:, 0], scale)
         if self.policy.dynamic and not self.dynamic_chunks:  # token by token, exactly as decoding would

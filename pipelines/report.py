@@ -7,9 +7,10 @@ value may be ``None`` where it is undefined for an item (a problem dense did not
 :func:`summarize` gives, per part × metric × budget:
 
 * every policy's mean with its 95 % percentile-bootstrap interval over items (:mod:`pipelines.stats`);
-* every policy's paired difference to ``streaming`` and to the *best heuristic* — the best of streaming / TOVA / H2O
-  by the point estimate at that budget, chosen per metric — on the items both have, with ``resolved`` (the interval
-  excludes 0) and the items a difference of that size would need (:func:`pipelines.stats.items_needed`); and
+* every policy's paired difference to ``streaming`` and to the *best heuristic* — the best of the :data:`HEURISTICS`
+  that ran (streaming, TOVA, H2O, window attention) by the point estimate at that budget, chosen per metric — on the
+  items both have, with ``resolved`` (the interval excludes 0) and the items a difference of that size would need
+  (:func:`pipelines.stats.items_needed`); and
   ``kvpop``'s paired difference to each trained baseline's row (a policy name outside :data:`POLICY_ORDER`:
   ``eval.baselines``, e.g. StreamingLLM+ or DMS);
 * the fraction of the streaming → oracle gap each other policy closes (a paired ratio of means);
@@ -31,8 +32,9 @@ import numpy as np
 
 from pipelines import stats
 
-HEURISTICS = ("streaming", "tova", "h2o")
-POLICY_ORDER = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")  # then trained baselines' rows
+HEURISTICS = ("streaming", "tova", "h2o", "window_attention")
+POLICY_ORDER = ("dense", "streaming", "tova", "h2o", "window_attention", "random", "oracle",
+                "kvpop")  # then trained baselines' rows
 NARRATED = ("kvpop", "oracle")  # the policies the closing sentences speak about (and every trained baseline's row)
 PART_TITLES = {"text": "held-out text, teacher-forced against dense (positions >= B)",
                "recall": "recall tasks, greedy exact match and gold answer teacher-forced (headline cells)",
@@ -111,7 +113,7 @@ def summarize(records: Sequence[dict], budgets: Sequence[dict], *, resamples: in
 
 
 def best_heuristic(values: dict[str, dict[str, float]], metric: Metric) -> str | None:
-    """The best of streaming / TOVA / H2O by the point estimate (``None`` if none of them ran)."""
+    """The best of the heuristics that ran by the point estimate (``None`` if none of them ran)."""
     present = [h for h in HEURISTICS if values.get(h)]
     if not present:
         return None

@@ -6,7 +6,8 @@ import kvpop
 from kvpop import Budget
 from tests.models import ARCHS, HEADS, dms_model, tiny_model
 
-STATIC = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "streaming", "random", "oracle", "dms"]
+STATIC = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "streaming", "random", "oracle", "dms",
+          "window_attention"]
 BUDGET = Budget(3, 8, 10)
 
 
@@ -107,7 +108,7 @@ def _dense_floor(model, ids, prefill):
 # kvpop's priorities come from the scorer's recurrent step in both paths (KVpop.stepwise): the parallel form agrees
 # with it to ~2e-6 (test_scorers), but SmolLM2's learned-scorer priorities have gaps as small as 1.5e-7, so a
 # ranking can flip at a near-tie — a floating-point effect, not a cache bug, and kept out of this check.
-SMOL_POLICIES = ["kvpop:stepwise", "streaming", "random", "oracle"]
+SMOL_POLICIES = ["kvpop:stepwise", "streaming", "random", "oracle", "window_attention"]
 
 
 def _smol_policy(model, name, budget):

@@ -111,7 +111,8 @@ def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
 def test_every_checkpoint_has_items_intervals_and_paired_differences(tiny_setup, home, tmp_path):
     out = tmp_path / "out"
     assert curves.main(argv(tiny_setup, out, "--checkpoints", str(TOKENS_PER_STEP), str(2 * TOKENS_PER_STEP),
-                            "--heuristics", "tova", "--dynamic-sequences", "2", "--recall-tasks", "niah_single",
+                            "--heuristics", "tova", "window_attention", "--dynamic-sequences", "2", "--recall-tasks",
+                            "niah_single",
                             "--recall-contexts", "128", "--recall-depths", "0.2", "--recall-samples", "2",
                             "--recall-min-dense", "0")) == 0
     result = json.loads((out / "learning_curves_t.json").read_text())
@@ -123,6 +124,7 @@ def test_every_checkpoint_has_items_intervals_and_paired_differences(tiny_setup,
 
     assert len(values(refs, "streaming", "kl")) == len(values(refs, "oracle", "kl")) == 3
     assert len(values(refs, "tova", "top1_agreement")) == 2  # --dynamic-sequences
+    assert len(values(refs, "window_attention", "top1_agreement")) == 3  # static: every sequence
     assert len(values(refs, "dense", "exact", "recall")) == 0  # dense's recall records carry B = None
     assert len([r for r in refs if r["policy"] == "dense" and r["part"] == "recall"]) == 2
     markdown = (out / "learning_curves_t.md").read_text()
@@ -139,7 +141,7 @@ def test_every_checkpoint_has_items_intervals_and_paired_differences(tiny_setup,
             interval = stats.mean_interval([round(v, 6) for v in mine.values()], resamples=200)
             assert entry["estimate"] == pytest.approx(np.mean(list(mine.values())), abs=1e-6)
             assert (entry["lo"], entry["hi"]) == pytest.approx((interval.lo, interval.hi))
-            heuristics = {h: values(refs, h, field, part) for h in ("streaming", "tova")}
+            heuristics = {h: values(refs, h, field, part) for h in ("streaming", "tova", "window_attention")}
             heuristics = {h: v for h, v in heuristics.items() if v}
             sign = -1 if name == "kl" else 1
             best = max(heuristics, key=lambda h: sign * np.mean(list(heuristics[h].values())))
@@ -156,6 +158,7 @@ def test_every_checkpoint_has_items_intervals_and_paired_differences(tiny_setup,
                 assert ("above" in text or "below" in text) == (d["resolved"] and text != "(= streaming)")
                 assert text in markdown
         assert {g["metric"] for g in summary["gap_closed"]} == {"kl", "top1_agreement"}
+    assert "| − streaming | − tova | − window_attention | gap closed |" in markdown  # no H2O column: not run
     assert (out / "learning_curves_t.png").stat().st_size > 0
     assert (out / "learning_curves_t_layers.png").stat().st_size > 0  # per-layer balanced accuracy
 
@@ -347,6 +350,48 @@ def test_streaming_layers_benchmark_calibrates_on_training_text_scores_held_out_
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "holds records of checkpoint" in err and "layers [0, 1" in err, err
     assert bench.main([*common, "--layers", "0", "--checkpoint", str(tmp_path)]) == 2
+    assert "no kvpop.json" in capsys.readouterr().err
+
+
+def test_window_attention_benchmark_scores_held_out_and_resumes(tiny_setup, home, saved, tmp_path, capsys):
+    """``benchmarks/window_attention.py`` on a study's saved scorer: three static rules per sequence and TOVA / H2O
+    on the first, each record equal to the policy's own teacher-forced metrics; a re-run measures nothing again;
+    another checkpoint's records and a folder without ``kvpop.json`` are refused in one line."""
+    import kvpop
+    from benchmarks import window_attention as bench
+    from benchmarks.learning_curves import corpus_config
+    from kvpop.evaluation import Setting, teacher_forced_items
+    from pipelines.data import load_sequences, load_tokenizer
+
+    checkpoint = saved / json.loads((saved / "state.json").read_text())["model"]
+    docs = str(tiny_setup / "docs.jsonl")
+    common = ["--model", str(tiny_setup / "teacher"), "--seq-len", "64", "--sources", docs, "--sequences", "3",
+              "--dynamic-sequences", "1", "--out", str(tmp_path), "--tag", "t"]
+    assert bench.main(["--checkpoint", str(checkpoint), *common]) == 0
+    records = (tmp_path / "window_attention_t_items.jsonl").read_text().splitlines()
+    assert len(records) == 3 * 3 + 2
+    meta = json.loads((checkpoint / "kvpop.json").read_text())
+    cfg = corpus_config(str(tiny_setup / "teacher"), docs, 64, meta["budget"], 1.0, 3)
+    rows = load_sequences(cfg, "eval", load_tokenizer(cfg))[:3]
+    model = curves.load_saved_scorer(checkpoint, meta, cfg)
+    setting = Setting("window_attention", kvpop.Budget(**meta["budget"]))
+    expected = teacher_forced_items(model, [torch.tensor(r["input_ids"]) for r in rows], [Setting("dense"), setting])
+    found = {r["item"]: r for r in map(json.loads, records) if r["rule"] == "window_attention"}
+    for e in (e for e in expected if e["policy"] == "window_attention"):
+        assert found[e["item"]]["kl"] == pytest.approx(e["kl"], abs=1e-5)
+    cell = json.loads((tmp_path / "window_attention_t.json").read_text())["summary"][docs]
+    assert cell["items"] == [0, 1, 2] and cell["dynamic_items"] == [0]
+    assert cell["kl"]["window_attention"] != pytest.approx(cell["kl"]["streaming"], abs=1e-6)
+    assert cell["kl:window_attention-tova"]["n"] == 1 and cell["kl:window_attention-streaming"]["n"] == 3
+    assert "| top1 |" in (tmp_path / "window_attention_t.md").read_text()
+    assert bench.main(["--checkpoint", str(checkpoint), *common]) == 0
+    assert (tmp_path / "window_attention_t_items.jsonl").read_text().splitlines() == records  # nothing re-measured
+    other = shutil.copytree(checkpoint, tmp_path / "other")
+    capsys.readouterr()
+    assert bench.main(["--checkpoint", str(other), *common]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "holds records of checkpoint" in err, err
+    assert bench.main(["--checkpoint", str(tmp_path), *common]) == 2
     assert "no kvpop.json" in capsys.readouterr().err
 
 

@@ -11,9 +11,10 @@ from kvpop.policies.oracle import Oracle
 from kvpop.policies.random import RandomPriority
 from kvpop.policies.streaming import Streaming
 from kvpop.policies.tova import TOVA
+from kvpop.policies.window_attention import WindowAttention
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Dense, Streaming, RandomPriority, Oracle, KVpop, TOVA,
-                                                                H2O, DMS)}
+                                                                H2O, DMS, WindowAttention)}
 
 
 def build_policy(name: str, budget: Budget | None = None, **options) -> Policy:
@@ -33,4 +34,4 @@ def build_policy(name: str, budget: Budget | None = None, **options) -> Policy:
 
 
 __all__ = ["POLICIES", "build_policy", "Policy", "StaticPolicy", "DynamicPolicy", "LayerView", "Dense", "Streaming",
-           "RandomPriority", "Oracle", "KVpop", "TOVA", "H2O", "DMS"]
+           "RandomPriority", "Oracle", "KVpop", "TOVA", "H2O", "DMS", "WindowAttention"]

@@ -22,6 +22,8 @@ class LayerView:
     layer_idx: int
     module: torch.nn.Module  # the attention module (holds ``kvpop_scorer`` when retrofitted with one)
     runtime: object  # kvpop.retrofit.Runtime: shared per-model inputs (oracle priorities, …)
+    query: torch.Tensor | None = None  # this call's queries [B, Hq, C, D] as attention sees them (window_attention)
+    scale: float | None = None  # their softmax scale
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,113 @@
+"""Window attention: a token's priority is the attention it received while it sat in the protected window.
+
+For KV head ``g`` and token ``t``: ``p[t] = log max_{h in g} (1/w) Σ_{d = t}^{t + w - 1} P_loc[h, d, t]``, where
+``P_loc[h, d, ·]`` is query ``d``'s softmax over the tokens every query always sees — the sinks and its own window
+``d - w < t' <= d`` (METHOD §1). Those queries are exactly the ones ``t`` meets before it leaves the window at
+``t + w``, where its priority is read, so the priority is static (METHOD §1's contract) and yet comes from observed
+attention, like TOVA's and H2O's. Restricting the softmax to the always-visible tokens makes it independent of which
+long-range tokens a query still sees: the one-pass forward computes it from the layer's own queries and keys in
+parallel, and the cache from its queries step by step, with the same value. (Ours, not the original work's:
+docs/METHOD.md §1.)
+
+Both paths compute in float64 (exact products of bf16/fp32 inputs, sums whose order differs only at ~1e-16), so the
+mask and the cache rank alike. The cache path keeps the sinks' and the window's keys and the window tokens' running
+mass in the policy state: ``(s + w)`` keys per KV head beside the cache's ``B`` slots.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvpop.policies.base import StaticPolicy
+
+WORK = torch.float64
+FLOOR = 1e-300  # log of a mass that underflowed: finite, below any real one
+
+
+def _query(layer, length: int) -> tuple[torch.Tensor, float]:
+    if layer.query is None or layer.scale is None:
+        raise RuntimeError("the window_attention policy reads the layer's queries: run it through kvpop's attention")
+    if layer.query.shape[2] != length:
+        raise ValueError("the window_attention policy needs every token's query: run whole sequences in one forward "
+                         "(use_cache=False) or through the KVpop cache, not through transformers' growing cache")
+    return layer.query, layer.scale
+
+
+def _group_log_mass(mass: torch.Tensor, num_kv_heads: int, window: int) -> torch.Tensor:
+    """``[B, Hq, N]`` summed attention → ``[B, Hkv, N]`` log of the mean over the window, max over the group."""
+    bsz, hq, n = mass.shape
+    mean = mass.view(bsz, num_kv_heads, hq // num_kv_heads, n).amax(2) / window
+    return mean.clamp_min(FLOOR).log().float()
+
+
+def window_mass(query, keys, valid, positions, sink: int, window: int, *, scale: float,
+                budget_bytes: int = 1 << 26) -> torch.Tensor:
+    """``Σ_d P_loc[h, d, t]`` over the queries ``d`` whose window holds ``t`` (``t <= d < t + window``), ``[B, Hq,
+    S]``. ``query [B, Hq, S, D]``, ``keys [B, Hkv, S, D]``, ``valid [B, S]``, ``positions [B, S]`` (padding: not
+    valid). Query rows in blocks: ``[rows × S]`` scores at a time."""
+    bsz, hq, size, _ = query.shape
+    group = hq // keys.shape[1]
+    k = keys.to(WORK).repeat_interleave(group, dim=1)
+    t = positions[:, None, None, :]
+    mass = torch.zeros(bsz, hq, size, dtype=WORK, device=query.device)
+    rows = max(1, min(size, budget_bytes // max(1, 8 * bsz * hq * size)))
+    for start in range(0, size, rows):
+        sl = slice(start, min(size, start + rows))
+        d = positions[:, None, sl, None]
+        seen = valid[:, None, sl, None] & valid[:, None, None, :] & (t <= d)
+        in_window = seen & (t > d - window)
+        scores = torch.einsum("bhqd,bhkd->bhqk", query[:, :, sl].to(WORK), k) * scale
+        probs = torch.nan_to_num(scores.masked_fill(~(in_window | (seen & (t < sink))), float("-inf")).softmax(-1))
+        mass += (probs * in_window).sum(2)
+    return mass
+
+
+@dataclass(frozen=True)
+class WindowAttention(StaticPolicy):
+    name: ClassVar[str] = "window_attention"
+
+    def sequence_priorities(self, layer, keys, values, valid, positions):
+        query, scale = _query(layer, keys.shape[2])
+        mass = window_mass(query, keys, valid, positions[:, 0], self.budget.sink, self.budget.window, scale=scale)
+        return _group_log_mass(mass, keys.shape[1], self.budget.window)
+
+    def init_state(self, key: torch.Tensor, num_query_heads: int) -> dict[str, torch.Tensor]:
+        """Slot ``i`` holds token ``i`` (a sink) or a window token in its ring slot, as the cache's first slots do."""
+        bsz, hkv, dim = key.shape
+        slots = self.budget.sink + self.budget.window
+        return {"keys": key.new_zeros(bsz, hkv, slots, dim),
+                "pos": torch.full((bsz, slots), -1, dtype=torch.long, device=key.device),
+                "mass": torch.zeros(bsz, num_query_heads, slots, dtype=WORK, device=key.device)}
+
+    def step(self, layer, key, value, valid, position, state):
+        """Read the leaving token's mass, put the new token in its slot, add the query's local attention."""
+        s, w = self.budget.sink, self.budget.window
+        query, scale = _query(layer, 1)
+        bsz, hkv, _ = key.shape
+        if state is None:
+            state = self.init_state(key, query.shape[1])
+        slot = torch.where(position < s, position, s + (position - s) % w)  # = the leaving token's slot
+        mass = state["mass"]
+        leaving = _group_log_mass(mass.gather(-1, slot[:, None, None].expand(-1, mass.shape[1], 1)), hkv, w)[..., 0]
+        put = valid[:, None] & (torch.arange(s + w, device=key.device) == slot[:, None])  # [B, slots]
+        keys = torch.where(put[:, None, :, None], key[:, :, None, :].to(state["keys"].dtype), state["keys"])
+        pos = torch.where(put, position[:, None], state["pos"])
+        mass = torch.where(put[:, None, :], 0.0, mass)
+        group = query.shape[1] // hkv
+        scores = torch.einsum("bhd,bhkd->bhk", query[:, :, 0].to(WORK),
+                              keys.to(WORK).repeat_interleave(group, dim=1)) * scale
+        probs = torch.nan_to_num(scores.masked_fill((pos < 0)[:, None, :], float("-inf")).softmax(-1))
+        mass = torch.where(valid[:, None, None], mass + probs, mass)
+        return leaving, {"keys": keys, "pos": pos, "mass": mass}
+
+    def resume(self, layer, keys, values, valid, positions, state):
+        """A chunk as the steps it replaces (its tokens' priorities depend on the chunk's own queries in order)."""
+        out = []
+        for i in range(keys.shape[2]):
+            step_layer = dataclasses.replace(layer, query=layer.query[:, :, i:i + 1])
+            raw, state = self.step(step_layer, keys[:, :, i], values[:, :, i], valid[:, i], positions[:, 0, i], state)
+            out.append(raw)
+        return torch.stack(out, dim=-1), state
