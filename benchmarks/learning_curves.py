@@ -79,9 +79,11 @@ STORED_TRAIN_TPS = 40_000
 # What a resumed run must share with the saved study, besides the base weights (their digest) and the resolved dtype
 # and training pool: what the scorer is trained on and how, and what the curve's points are measured on.
 STUDY_ARGS = ("source", "mix_source", "mix_sequences", "seq_len", "sink", "window", "topk", "train_topks", "scorer",
-              "scorer_options", "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed")
+              "scorer_options", "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed",
+              "window_attention_prior")
 # study settings that came after studies were first saved: the value a study saved without one ran with
-SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0}
+SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0,
+                "window_attention_prior": False}
 EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences",
              "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
              "resamples")
@@ -128,6 +130,8 @@ def parse_args(argv=None):
     p.add_argument("--scorer-options", default="{}", help="JSON: fields of the scorer's config")
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
     p.add_argument("--recency", type=float, default=0.0)
+    p.add_argument("--window-attention-prior", action="store_true", help="train the scorers on top of the window "
+                   "attention prior (kvpop.set_window_attention_prior: priority = scorer + observed attention)")
     p.add_argument("--features", default="dense", choices=["dense", "student"])
     p.add_argument("--query-power", type=float, default=1.0, help="β of the targets' power mean over the deciding "
                    "queries (METHOD §2): 1 = their mean; larger = nearer their max. Training, diagnostics and oracle")
@@ -220,6 +224,7 @@ def load_saved_scorer(folder, meta: dict, cfg, device: str = "cpu"):
     kvpop.retrofit(model, kvpop.Budget(**meta["budget"]), scorer=meta["scorer"]["name"], policy=meta["policy"],
                    recency=meta["recency"], scorer_options={k: v for k, v in meta["scorer"].items() if k != "name"})
     kvpop.load_scorers(model, folder)
+    kvpop.set_window_attention_prior(model, bool(meta.get("window_attention_prior", False)))
     return model.eval()
 
 
@@ -730,6 +735,7 @@ def run(args) -> dict:
     torch.manual_seed(args.seed)
     kvpop.retrofit(model, train_budget, scorer=args.scorer, policy="kvpop", recency=args.recency,
                    scorer_options=json.loads(args.scorer_options))
+    kvpop.set_window_attention_prior(model, args.window_attention_prior)
     trainer = Trainer(model, args, len(train_ids), device)
     if manifest:  # the scorers, the optimizer, the data order, and every point and reference so far
         kvpop.load_scorers(model, study.resume / manifest["model"])
@@ -996,7 +1002,8 @@ def render(result: dict) -> str:
     recall_items = f" and {meta['recall_samples']} recall samples" if meta["recall_samples"] else ""
     lines = [f"# Learning curves ({', '.join(sorted({s['device'] for s in meta['sessions']}))})", "",
              f"Scorer-only `{args['scorer']}`, online targets (`--features {args['features']}`"
-             f"{', --query-power ' + str(args['query_power']) if args.get('query_power', 1.0) != 1.0 else ''}), "
+             f"{', --query-power ' + str(args['query_power']) if args.get('query_power', 1.0) != 1.0 else ''}"
+             f"{', on the window attention prior' if args.get('window_attention_prior') else ''}), "
              f"training budget "
              f"{train_budget}, S = {args['seq_len']}, {args['batch']} sequences per step from a pool of "
              f"{meta['train_sequences']}"

@@ -1,7 +1,8 @@
 """Does a static priority from the attention a token received while it sat in the protected window (the
 ``window_attention`` policy) keep better tokens than streaming, a learned KVpop scorer and TOVA / H2O, on corpora
-the scorer never saw? Teacher-forced KL and top-1 agreement against the dense model at the scorer's own B, per
-held-out sequence, with paired bootstrap intervals.
+the scorer never saw — and does the scorer on top of it (``kvpop+prior``, ``kvpop.set_window_attention_prior``)?
+Teacher-forced KL and top-1 agreement against the dense model at the scorer's own B, per held-out sequence, with
+paired bootstrap intervals.
 
     python benchmarks/window_attention.py --checkpoint DIR --sources stdlib champ --sequences 16
 
@@ -23,10 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-STATIC = ("streaming", "kvpop", "window_attention")  # one masked forward each
+# one masked forward each; kvpop+prior: the scorer's output plus the window attention prior
+# (kvpop.set_window_attention_prior), as trained with it — or, for a scorer trained without, an untrained blend
+STATIC = ("streaming", "kvpop", "window_attention", "kvpop+prior")
 DYNAMIC = ("tova", "h2o")  # step by step only: on the first --dynamic-sequences
 PAIRS = [("window_attention", "streaming"), ("window_attention", "kvpop"), ("window_attention", "tova"),
-         ("window_attention", "h2o"), ("kvpop", "streaming"), ("kvpop", "tova")]
+         ("window_attention", "h2o"), ("kvpop", "streaming"), ("kvpop", "tova"), ("kvpop+prior", "kvpop"),
+         ("kvpop+prior", "window_attention")]
 
 
 def parse_args(argv=None):
@@ -59,6 +63,7 @@ def measure(model, args, meta, tokenizer, records_path: Path, identity: dict) ->
 
     done = committed(records_path, identity, "records")
     have = {(r["source"], r["item"], r["rule"]) for r in done}
+    prior = bool(meta.get("window_attention_prior", False))  # a scorer trained on the prior: its kvpop row has it
     budget = kvpop.Budget(**meta["budget"])
     start = budget.total
     with records_path.open("a") as sink, torch.no_grad():
@@ -77,7 +82,9 @@ def measure(model, args, meta, tokenizer, records_path: Path, identity: dict) ->
                     if rule in DYNAMIC:
                         logits = forced_logits(model, Setting(rule, budget), ids, start=start)
                     else:
-                        kvpop.set_policy(model, rule, budget, recency=meta["recency"] if rule == "kvpop" else 0.0)
+                        policy = rule.removesuffix("+prior")
+                        kvpop.set_policy(model, policy, budget, recency=meta["recency"] if policy == "kvpop" else 0.0)
+                        kvpop.set_window_attention_prior(model, rule == "kvpop+prior" or prior)
                         logits = model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
                     metrics = per_sequence(logits.float(), dense.float(), ids[:, start:])[0]
                     record = {**identity, "source": source, "item": item, "rule": rule, "kl": metrics["kl"],
@@ -122,7 +129,7 @@ def render(result: dict) -> str:
              "the sequences every static rule has (TOVA / H2O: over their subset); intervals: 95 % paired bootstrap "
              "over the sequences both rules have (n; * where it excludes 0). KL: lower is better; top-1: higher. "
              "WA = window_attention.", "",
-             "| corpus | n | metric | streaming / KVpop / WA | TOVA / H2O (n) | " +
+             "| corpus | n | metric | streaming / KVpop / WA / KVpop+prior | TOVA / H2O (n) | " +
              " | ".join(f"{a} − {b}".replace("window_attention", "WA") for a, b in PAIRS) + " |",
              "|---|---|---|---|---|" + "---|" * len(PAIRS)]
     for source, cell in result["summary"].items():

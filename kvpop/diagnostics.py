@@ -294,14 +294,15 @@ def diagnose_model(model, input_ids: torch.Tensor, topks=(), *, features: str = 
 
     if features not in FEATURE_SOURCES:
         raise ValueError(f"features must be one of {FEATURE_SOURCES}, got {features!r}")
-    policy = runtime_of(model).policy
+    runtime = runtime_of(model)
+    policy = runtime.policy
     students, targets = [], []
     for batch in input_ids.split(batch_size):
-        keep = ("keys", "values") if features == "dense" else ()
+        keep = (("keys", "values") + ("queries",) * runtime.window_attention_prior) if features == "dense" else ()
         online = online_targets(model, batch, keep=keep, **(target_options or {}))
         targets.append(online["targets"])
-        students.append(dense_priorities(model, online["keys"], online["values"]) if features == "dense"
-                        else student_priorities(model, batch))
+        students.append(dense_priorities(model, online["keys"], online["values"], online.get("queries"))
+                        if features == "dense" else student_priorities(model, batch))
     budgets = with_topks(policy.budget, topks)
     return diagnose(torch.cat(students, 1), torch.cat(targets, 1), budgets, recency=policy.recency,
                     queries=queries, seed=seed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss
+from kvpop.policies.window_attention import window_attention_priorities
 from kvpop.retrofit import attention_modules, collect_priorities, runtime_of
 from kvpop.retention import with_recency
 from kvpop.targets import teacher_pass
@@ -41,14 +42,24 @@ def online_targets(model, input_ids: torch.Tensor, *, group_reduce: str = "max",
     return {"targets": out["targets"][window], **{name: out[name] for name in keep}}
 
 
-def dense_priorities(model, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def dense_priorities(model, keys: list[torch.Tensor], values: list[torch.Tensor],
+                     queries: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Ranked priorities ``[layers, B, Hkv, S]`` (scorer output + the policy's recency term, with grad) of each
-    layer's scorer on the given per-layer ``[B, Hkv, S, D]`` keys and values."""
+    layer's scorer on the given per-layer ``[B, Hkv, S, D]`` keys and values; with the model's window attention
+    prior (``set_window_attention_prior``) plus the prior, from the per-layer ``queries [B, Hq, S, D]`` too."""
     runtime = runtime_of(model)
+    if runtime.window_attention_prior and queries is None:
+        raise ValueError("this model adds the window attention prior to its scorers: pass each layer's queries too")
     out = []
-    for module, k, v in zip(attention_modules(model), keys, values, strict=True):
+    for i, (module, k, v) in enumerate(zip(attention_modules(model), keys, values, strict=True)):
         positions = torch.arange(k.shape[2], device=k.device)
-        out.append(runtime.policy.ranked(module.kvpop_scorer(k, v), positions))
+        prio = module.kvpop_scorer(k, v)
+        if runtime.window_attention_prior:
+            valid = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device)
+            scale = getattr(module, "scaling", k.shape[-1] ** -0.5)
+            prio = prio + window_attention_priorities(queries[i], k, valid, positions.expand(k.shape[0], -1),
+                                                      runtime.policy.budget, scale=scale)
+        out.append(runtime.policy.ranked(prio, positions))
     return torch.stack(out)
 
 
@@ -72,10 +83,12 @@ def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense",
         raise ValueError(f"features must be one of {FEATURE_SOURCES}, got {features!r}")
     policy = runtime_of(model).policy
     keep = ("keys", "values") if features == "dense" else ()
+    if features == "dense" and runtime_of(model).window_attention_prior:
+        keep += ("queries",)
     online = online_targets(model, input_ids, group_reduce=group_reduce, query_power=query_power, backend=backend,
                             keep=keep)
     if features == "dense":
-        student = dense_priorities(model, online["keys"], online["values"])
+        student = dense_priorities(model, online["keys"], online["values"], online.get("queries"))
     else:
         student = student_priorities(model, input_ids)
     teacher = with_recency(online["targets"], policy.recency)

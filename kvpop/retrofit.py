@@ -57,6 +57,9 @@ class Runtime:
     # layers whose scorer the kvpop policy leaves unused: their long-range slots go to the newest eligible tokens, a
     # streaming cache of the same B (set_streaming_layers; saved in kvpop.json)
     streaming_layers: frozenset[int] = frozenset()
+    # the kvpop policy adds the window_attention policy's priority (observed attention) to the scorers' output: the
+    # scorers then learn what observed attention misses (set_window_attention_prior; saved in kvpop.json)
+    window_attention_prior: bool = False
 
 
 def _register() -> None:
@@ -200,6 +203,20 @@ def set_streaming_layers(model: nn.Module, layers) -> frozenset[int]:
     return chosen
 
 
+def set_window_attention_prior(model: nn.Module, on: bool = True) -> bool:
+    """Make the kvpop policy rank by the scorer's output plus the attention a token received in its window (the
+    ``window_attention`` policy's priority, kvpop/policies/window_attention.py): a prior the scorers are trained on
+    top of, in the mask, the cache and online training alike. A property of the trained scorers: saved in
+    ``kvpop.json``."""
+    runtime = runtime_of(model)
+    if not isinstance(on, bool):
+        raise ValueError(f"the window attention prior is on or off (a bool), got {on!r}")
+    if on and runtime.scorer_spec is None:
+        raise ValueError("the window attention prior is added to scorers: this model has none (retrofit with a scorer)")
+    runtime.window_attention_prior = on
+    return on
+
+
 @contextlib.contextmanager
 def oracle_priorities(model: nn.Module, targets: torch.Tensor):
     """Make the oracle policy read ``targets [layers, B, Hkv, S]`` (teacher future attention) within the block."""
@@ -243,6 +260,7 @@ def _describe(model: nn.Module) -> dict:
         "scorer": runtime.scorer_spec,
         "scorer_window": attention_modules(model)[0].kvpop_scorer.window if runtime.scorer_spec else None,
         "streaming_layers": sorted(runtime.streaming_layers),
+        "window_attention_prior": runtime.window_attention_prior,
         "num_layers": runtime.num_layers,
         "num_kv_heads": runtime.num_kv_heads,
         "head_dim": runtime.head_dim,
@@ -372,6 +390,7 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     if spec is not None or name is not None:
         load_scorers(model, path)
         set_streaming_layers(model, meta.get("streaming_layers", ()))
+        set_window_attention_prior(model, bool(meta.get("window_attention_prior", False)))
     tokenizer = None
     for candidate in (path, folder):
         if (candidate / "tokenizer_config.json").is_file():

@@ -7,7 +7,7 @@ from kvpop import Budget
 from tests.models import ARCHS, HEADS, dms_model, tiny_model
 
 STATIC = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "streaming", "random", "oracle", "dms",
-          "window_attention"]
+          "window_attention", "kvpop+prior:mlstm"]
 BUDGET = Budget(3, 8, 10)
 
 
@@ -16,7 +16,8 @@ def retrofitted(arch, heads, policy, budget=BUDGET):
         return dms_model(arch, heads, Budget(budget.sink, budget.window, 0))
     model = tiny_model(arch, heads)
     name, _, scorer = policy.partition(":")
-    kvpop.retrofit(model, budget, scorer=scorer or "mlp", policy=name)
+    kvpop.retrofit(model, budget, scorer=scorer or "mlp", policy=name.removesuffix("+prior"))
+    kvpop.set_window_attention_prior(model, name.endswith("+prior"))  # scorer + window attention
     return model
 
 
@@ -108,12 +109,13 @@ def _dense_floor(model, ids, prefill):
 # kvpop's priorities come from the scorer's recurrent step in both paths (KVpop.stepwise): the parallel form agrees
 # with it to ~2e-6 (test_scorers), but SmolLM2's learned-scorer priorities have gaps as small as 1.5e-7, so a
 # ranking can flip at a near-tie — a floating-point effect, not a cache bug, and kept out of this check.
-SMOL_POLICIES = ["kvpop:stepwise", "streaming", "random", "oracle", "window_attention"]
+SMOL_POLICIES = ["kvpop:stepwise", "streaming", "random", "oracle", "window_attention", "kvpop+prior:stepwise"]
 
 
 def _smol_policy(model, name, budget):
     policy, _, mode = name.partition(":")
-    kvpop.set_policy(model, policy, budget, **({"stepwise": True} if mode else {}))
+    kvpop.set_policy(model, policy.removesuffix("+prior"), budget, **({"stepwise": True} if mode else {}))
+    kvpop.set_window_attention_prior(model, policy.endswith("+prior"))
 
 
 @pytest.mark.pretrained

@@ -94,6 +94,8 @@ def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
 
     later = str(9 * TOKENS_PER_STEP)
     assert "--seq-len 48 (saved 64)" in fails(saved, "--seq-len", "48", "--checkpoints", later)
+    assert "--window-attention-prior True (saved False)" in fails(saved, "--window-attention-prior", "--checkpoints",
+                                                                   later)
     message = fails(saved, "--scorer", "mlp", "--loss-options", "{}", "--checkpoints", later)
     assert "--scorer mlp (saved mlstm)" in message and '--loss-options {} (saved {"random_pairs": 2})' in message
     assert "--query-power 8.0 (saved 1.0)" in fails(saved, "--query-power", "8", "--checkpoints", later)
@@ -354,7 +356,7 @@ def test_streaming_layers_benchmark_calibrates_on_training_text_scores_held_out_
 
 
 def test_window_attention_benchmark_scores_held_out_and_resumes(tiny_setup, home, saved, tmp_path, capsys):
-    """``benchmarks/window_attention.py`` on a study's saved scorer: three static rules per sequence and TOVA / H2O
+    """``benchmarks/window_attention.py`` on a study's saved scorer: four static rules per sequence and TOVA / H2O
     on the first, each record equal to the policy's own teacher-forced metrics; a re-run measures nothing again;
     another checkpoint's records and a folder without ``kvpop.json`` are refused in one line."""
     import kvpop
@@ -369,7 +371,7 @@ def test_window_attention_benchmark_scores_held_out_and_resumes(tiny_setup, home
               "--dynamic-sequences", "1", "--out", str(tmp_path), "--tag", "t"]
     assert bench.main(["--checkpoint", str(checkpoint), *common]) == 0
     records = (tmp_path / "window_attention_t_items.jsonl").read_text().splitlines()
-    assert len(records) == 3 * 3 + 2
+    assert len(records) == 3 * 4 + 2
     meta = json.loads((checkpoint / "kvpop.json").read_text())
     cfg = corpus_config(str(tiny_setup / "teacher"), docs, 64, meta["budget"], 1.0, 3)
     rows = load_sequences(cfg, "eval", load_tokenizer(cfg))[:3]

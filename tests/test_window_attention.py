@@ -142,3 +142,63 @@ def test_refusals():
         policy.sequence_priorities(LayerView(0, None, None), k, k, valid, pos)
     with pytest.raises(ValueError, match="needs every token's query"):
         policy.sequence_priorities(LayerView(0, None, None, torch.zeros(1, 2, 1, 4), 1.0), k, k, valid, pos)
+
+
+# ----------------------------------------------------------------------------- the window attention prior of kvpop
+
+
+def test_prior_adds_window_attention_to_the_scorers_output():
+    model = tiny_model("llama", "gqa")
+    budget = Budget(2, 6, 8)
+    kvpop.retrofit(model, budget, scorer="mlstm")
+    ids = torch.randint(1, 97, (2, 40))
+    with kvpop.collect_priorities(model) as plain, torch.no_grad():
+        model(ids, use_cache=False)
+    kvpop.set_window_attention_prior(model)
+    with kvpop.collect_priorities(model) as both, torch.no_grad():
+        model(ids, use_cache=False)
+    kvpop.set_policy(model, "window_attention", budget)
+    with kvpop.collect_priorities(model) as prior, torch.no_grad():
+        model(ids, use_cache=False)
+    # layer 0 sees the same inputs under every policy; later layers see different evictions, hence other keys
+    assert torch.allclose(both[0], plain[0] + prior[0], atol=1e-5)
+    assert not torch.allclose(both[0], plain[0], atol=1e-3)
+
+
+def test_prior_in_online_training_priorities():
+    from kvpop.online import dense_priorities, online_targets, scorer_only_step
+    from kvpop.policies.window_attention import window_attention_priorities
+    from kvpop.retrofit import attention_modules
+
+    model = tiny_model("llama", "gqa")
+    budget = Budget(2, 6, 8)
+    kvpop.retrofit(model, budget, scorer="mlstm")
+    ids = torch.randint(1, 97, (2, 40))
+    online = online_targets(model, ids, keep=("queries", "keys", "values"))
+    plain = dense_priorities(model, online["keys"], online["values"])
+    kvpop.set_window_attention_prior(model)
+    with pytest.raises(ValueError, match="pass each layer's queries"):
+        dense_priorities(model, online["keys"], online["values"])
+    both = dense_priorities(model, online["keys"], online["values"], online["queries"])
+    valid, positions = torch.ones(2, 40, dtype=torch.bool), torch.arange(40).expand(2, -1)
+    for i, module in enumerate(attention_modules(model)):
+        extra = window_attention_priorities(online["queries"][i], online["keys"][i], valid, positions, budget,
+                                            scale=module.scaling)
+        assert torch.allclose(both[i], plain[i] + extra, atol=1e-5)
+    out = scorer_only_step(model, ids)  # keeps the queries itself
+    assert torch.allclose(out["student"], both, atol=1e-5) and out["loss"].requires_grad
+
+
+def test_prior_is_saved_and_refused_without_scorers(tmp_path):
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, Budget(2, 6, 8), scorer="mlp")
+    kvpop.set_window_attention_prior(model)
+    kvpop.save_retrofitted(model, tmp_path / "saved")
+    loaded, _ = kvpop.load_retrofitted(tmp_path / "saved")
+    assert loaded.kvpop_runtime.window_attention_prior is True
+    with pytest.raises(ValueError, match="on or off"):
+        kvpop.set_window_attention_prior(model, 1)
+    bare = tiny_model("llama", "gqa")
+    kvpop.retrofit(bare, Budget(2, 6, 8), scorer=None, policy="streaming")
+    with pytest.raises(ValueError, match="this model has none"):
+        kvpop.set_window_attention_prior(bare)

@@ -4,6 +4,10 @@
 bit-identical to what decoding computes. The two forms agree to ~1e-6 in fp32, which is enough to flip a ranking
 at a near-tie; the stepwise mode separates that floating-point effect from real bugs in invariant checks.
 
+With the model's *window attention prior* (``kvpop.set_window_attention_prior``) a token's priority is the scorer's
+output plus the ``window_attention`` policy's (its log attention from the queries of its window): the scorers are
+trained on top of observed attention and the state holds both parts (the prior's under ``window_attention.``).
+
 The model's *streaming layers* (``kvpop.set_streaming_layers``) skip their scorer: every eligible token gets priority
 0, so ties go to the newer (METHOD §1) and the ``topk`` slots hold the newest eligible tokens — with the window, the
 ``window + topk`` newest tokens, a streaming cache of the same ``B``, in the mask and the cache alike.
@@ -16,7 +20,10 @@ from typing import ClassVar
 import torch
 
 from kvpop.policies.base import StaticPolicy
+from kvpop.policies.window_attention import WindowAttention
 from kvpop.scorers.base import step_through
+
+PRIOR = "window_attention."  # the prefix of the prior's entries in the policy state (beside the scorer's)
 
 
 def _scorer(layer):
@@ -28,6 +35,23 @@ def _scorer(layer):
 
 def _streams(layer) -> bool:
     return layer.layer_idx in layer.runtime.streaming_layers
+
+
+def _prior(layer, budget):
+    """The window attention prior at ``budget`` if the model adds it to its scorers (``set_window_attention_prior``)."""
+    return WindowAttention(budget) if layer.runtime.window_attention_prior else None
+
+
+def _split(state):
+    """``(scorer state, prior state)`` of a policy state (``None`` for either that has not started)."""
+    if state is None:
+        return None, None
+    prior = {k[len(PRIOR):]: v for k, v in state.items() if k.startswith(PRIOR)}
+    return {k: v for k, v in state.items() if not k.startswith(PRIOR)}, prior or None
+
+
+def _join(scorer_state, prior_state):
+    return {**scorer_state, **{PRIOR + k: v for k, v in (prior_state or {}).items()}}
 
 
 def _stepwise(scorer, keys, values, valid):
@@ -45,26 +69,42 @@ class KVpop(StaticPolicy):
         if _streams(layer):
             return super().sequence_priorities(layer, keys, values, valid, positions)
         if self.stepwise:
-            return _stepwise(_scorer(layer), keys, values, valid)
-        return _scorer(layer)(keys, values, valid=valid)
+            prio = _stepwise(_scorer(layer), keys, values, valid)
+        else:
+            prio = _scorer(layer)(keys, values, valid=valid)
+        prior = _prior(layer, self.budget)
+        return prio if prior is None else prio + prior.sequence_priorities(layer, keys, values, valid, positions)
 
     def resume(self, layer, keys, values, valid, positions, state):
         if _streams(layer):
             return super().resume(layer, keys, values, valid, positions, state)
         scorer = _scorer(layer)
+        state, prior_state = _split(state)
         if state is None:
             state = scorer.init_state(keys.shape[0], keys.device)
         if self.stepwise:
-            return step_through(scorer, keys, values, state, valid)
-        return scorer.resume(keys, values, state, valid=valid)
+            raw, state = step_through(scorer, keys, values, state, valid)
+        else:
+            raw, state = scorer.resume(keys, values, state, valid=valid)
+        prior = _prior(layer, self.budget)
+        if prior is not None:
+            extra, prior_state = prior.resume(layer, keys, values, valid, positions, prior_state)
+            raw = raw + extra
+        return raw, _join(state, prior_state)
 
     def step(self, layer, key, value, valid, position, state):
         if _streams(layer):
             return super().step(layer, key, value, valid, position, state)
         scorer = _scorer(layer)
+        state, prior_state = _split(state)
         if state is None:
             state = scorer.init_state(key.shape[0], key.device)
-        return scorer.step(key, value, state, valid=valid)
+        raw, state = scorer.step(key, value, state, valid=valid)
+        prior = _prior(layer, self.budget)
+        if prior is not None:
+            extra, prior_state = prior.step(layer, key, value, valid, position, prior_state)
+            raw = raw + extra
+        return raw, _join(state, prior_state)
 
     def priorities_at(self, layer, positions, num_kv_heads):  # the streaming layers' (the base class's paths)
         return torch.zeros(positions.shape[0], num_kv_heads, positions.shape[-1], device=positions.device)

@@ -65,14 +65,21 @@ def window_mass(query, keys, valid, positions, sink: int, window: int, *, scale:
     return mass
 
 
+def window_attention_priorities(query, keys, valid, positions, budget, *, scale: float) -> torch.Tensor:
+    """Priorities ``[B, Hkv, S]`` (float32, no grad) of whole sequences from their queries and keys (module docstring):
+    ``query [B, Hq, S, D]``, ``keys [B, Hkv, S, D]``, ``valid``, ``positions`` ``[B, S]``."""
+    with torch.no_grad():
+        mass = window_mass(query, keys, valid, positions, budget.sink, budget.window, scale=scale)
+        return _group_log_mass(mass, keys.shape[1], budget.window)
+
+
 @dataclass(frozen=True)
 class WindowAttention(StaticPolicy):
     name: ClassVar[str] = "window_attention"
 
     def sequence_priorities(self, layer, keys, values, valid, positions):
         query, scale = _query(layer, keys.shape[2])
-        mass = window_mass(query, keys, valid, positions[:, 0], self.budget.sink, self.budget.window, scale=scale)
-        return _group_log_mass(mass, keys.shape[1], self.budget.window)
+        return window_attention_priorities(query, keys, valid, positions[:, 0], self.budget, scale=scale)
 
     def init_state(self, key: torch.Tensor, num_query_heads: int) -> dict[str, torch.Tensor]:
         """Slot ``i`` holds token ``i`` (a sink) or a window token in its ring slot, as the cache's first slots do."""
