@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
-#    recipe learning_curves capacity pipeline)
+#    recipe learning_curves capacity pipeline window_attention prior)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -71,6 +71,24 @@ run_part() {
     pipeline)   python -m jobs.pipeline --config "${PIPELINE_CONFIG:-configs/smollm2_scorer_w256.yaml}" \
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval" && \
                   { for best in "$KVPOP_HOME"/sweeps/*/best.yaml; do [ ! -e "$best" ] || cp "$best" "$out/"; done; } ;;
+    # issue 12: the window_attention heuristic and the committed w256 β = 16 scorer with and without the window
+    # attention prior (an untrained blend) vs streaming / TOVA / H2O on champ, stdlib and the Python docs (DOCS: the
+    # jsonl of benchmarks/python_docs_corpus.py), 64 held-out sequences each, TOVA / H2O on the first 8; ~10 min
+    window_attention) mkdir -p "$out/wa_scorer" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/wa_scorer" && \
+                  python benchmarks/window_attention.py --checkpoint "$out/wa_scorer/step-0000670" --device cuda \
+                  --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 --dynamic-sequences 8 \
+                  --tag h200_w256_qp16 --out "$out" ;;
+    # issue 12: the champ-only w256 β = 16 recipe trained on top of the window attention prior, evaluated on champ,
+    # stdlib and the docs with window_attention among the references (the rest reused from the prose study); ~15 min
+    prior)      python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-900}" \
+                  --train-sequences 5120 --save-state "$out/prior_state" --window 256 --topk 252 --eval-topks 252 \
+                  --query-power 16 --window-attention-prior --heuristics tova h2o window_attention \
+                  --eval-sources stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --eval-sequences 64 \
+                  --dynamic-sequences 24 --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
+                  --recall-tasks niah_single niah_single_essay niah_multikey_2 --checkpoints 1e6 4e6 11e6 \
+                  --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json \
+                  --tag h200_w256_qp16_prior ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -355,6 +355,23 @@ def test_streaming_layers_benchmark_calibrates_on_training_text_scores_held_out_
     assert "no kvpop.json" in capsys.readouterr().err
 
 
+def test_a_study_on_the_window_attention_prior_trains_and_saves_it(tiny_setup, home, tmp_path):
+    """``--window-attention-prior``: the scorers train on top of the prior and the saved folder carries it, so the
+    evaluation of the saved scorer ranks as training did."""
+    out = tmp_path / "out"
+    assert curves.main(argv(tiny_setup, out, "--checkpoints", str(TOKENS_PER_STEP), "--window-attention-prior",
+                            "--heuristics", "window_attention", "--save-state", str(tmp_path / "state"))) == 0
+    manifest = json.loads((tmp_path / "state" / "state.json").read_text())
+    meta = json.loads((tmp_path / "state" / manifest["model"] / "kvpop.json").read_text())
+    assert meta["window_attention_prior"] is True and manifest["study"]["window_attention_prior"] is True
+    assert "on the window attention prior" in (out / "learning_curves_t.md").read_text()
+    result = json.loads((out / "learning_curves_t.json").read_text())
+    kvpop_kl = {r["item"]: r["kl"] for r in result["points"][-1]["records"] if r["part"] == "text"}
+    wa_kl = {r["item"]: r["kl"] for r in result["references"]["records"]
+             if r["policy"] == "window_attention" and r["part"] == "text"}
+    assert len(kvpop_kl) == len(wa_kl) == 3 and kvpop_kl != wa_kl  # the scorer adds to the prior
+
+
 def test_window_attention_benchmark_scores_held_out_and_resumes(tiny_setup, home, saved, tmp_path, capsys):
     """``benchmarks/window_attention.py`` on a study's saved scorer: four static rules per sequence and TOVA / H2O
     on the first, each record equal to the policy's own teacher-forced metrics; a re-run measures nothing again;
