@@ -67,6 +67,21 @@ def test_left_padding_gives_each_row_its_own_priorities():
     assert (mass[1, :, :3] == 0).all()  # padding receives nothing
 
 
+def test_banded_blocks_equal_the_full_rows():
+    """Unpadded rows score each query block against the keys it can see only; padded batches against every key:
+    the same mass (a padded second row sends the first through the full path)."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 300, 8, generator=g)
+    k = torch.randn(2, 2, 300, 8, generator=g)
+    pos = torch.arange(300).expand(2, -1)
+    banded = window_mass(q[:1], k[:1], torch.ones(1, 300, dtype=torch.bool), pos[:1], 3, 32, scale=0.3,
+                         budget_bytes=1 << 16)
+    valid = torch.ones(2, 300, dtype=torch.bool)
+    valid[1, :5] = False
+    full = window_mass(q, k, valid, pos - torch.tensor([[0], [5]]), 3, 32, scale=0.3, budget_bytes=1 << 16)
+    assert torch.allclose(banded[0], full[0], rtol=1e-12, atol=1e-12)
+
+
 def test_cache_steps_give_the_one_pass_priorities():
     """The leaving token's priority at each step (the policy's state: sinks and window keys, running mass) equals
     the one-pass priority of that token, for every token that leaves the window."""

@@ -47,21 +47,29 @@ def window_mass(query, keys, valid, positions, sink: int, window: int, *, scale:
                 budget_bytes: int = 1 << 26) -> torch.Tensor:
     """``Σ_d P_loc[h, d, t]`` over the queries ``d`` whose window holds ``t`` (``t <= d < t + window``), ``[B, Hq,
     S]``. ``query [B, Hq, S, D]``, ``keys [B, Hkv, S, D]``, ``valid [B, S]``, ``positions [B, S]`` (padding: not
-    valid). Query rows in blocks: ``[rows × S]`` scores at a time."""
+    valid). Query rows in blocks of ``rows``; unpadded rows (positions = indices) score each block against the keys
+    it can see only — the sinks and ``[first row - window + 1, last row]`` — padded ones against every key."""
     bsz, hq, size, _ = query.shape
     group = hq // keys.shape[1]
     k = keys.to(WORK).repeat_interleave(group, dim=1)
-    t = positions[:, None, None, :]
+    arange = torch.arange(size, device=query.device)
+    banded = bool(valid.all()) and bool((positions == arange).all())
+    span = lambda rows: (min(size, rows + window - 1 + sink) if banded else size)  # noqa: E731 keys per block
+    rows = max(1, min(size, budget_bytes // max(1, 8 * bsz * hq * span(size))))
+    while rows > 1 and 8 * bsz * hq * rows * span(rows) > budget_bytes:
+        rows //= 2
     mass = torch.zeros(bsz, hq, size, dtype=WORK, device=query.device)
-    rows = max(1, min(size, budget_bytes // max(1, 8 * bsz * hq * size)))
     for start in range(0, size, rows):
         sl = slice(start, min(size, start + rows))
+        first = max(0, start - window + 1) if banded else 0
+        cols = torch.cat([arange[:min(sink, first)], arange[first:sl.stop]]) if banded else arange
+        t = positions[:, None, None, cols]
         d = positions[:, None, sl, None]
-        seen = valid[:, None, sl, None] & valid[:, None, None, :] & (t <= d)
+        seen = valid[:, None, sl, None] & valid[:, None, None, cols] & (t <= d)
         in_window = seen & (t > d - window)
-        scores = torch.einsum("bhqd,bhkd->bhqk", query[:, :, sl].to(WORK), k) * scale
+        scores = torch.einsum("bhqd,bhkd->bhqk", query[:, :, sl].to(WORK), k[:, :, cols]) * scale
         probs = torch.nan_to_num(scores.masked_fill(~(in_window | (seen & (t < sink))), float("-inf")).softmax(-1))
-        mass += (probs * in_window).sum(2)
+        mass.index_add_(2, cols, (probs * in_window).sum(2))
     return mass
 
 
