@@ -55,9 +55,9 @@ def window_mass(query, keys, valid, positions, sink: int, window: int, *, scale:
     arange = torch.arange(size, device=query.device)
     banded = bool(valid.all()) and bool((positions == arange).all())
     span = lambda rows: (min(size, rows + window - 1 + sink) if banded else size)  # noqa: E731 keys per block
-    rows = max(1, min(size, budget_bytes // max(1, 8 * bsz * hq * span(size))))
-    while rows > 1 and 8 * bsz * hq * rows * span(rows) > budget_bytes:
-        rows //= 2
+    rows = size
+    while rows > 1 and 8 * bsz * hq * rows * span(rows) > budget_bytes:  # the largest blocks the budget holds
+        rows = (rows + 1) // 2
     mass = torch.zeros(bsz, hq, size, dtype=WORK, device=query.device)
     for start in range(0, size, rows):
         sl = slice(start, min(size, start + rows))
