@@ -217,3 +217,31 @@ def test_prior_is_saved_and_refused_without_scorers(tmp_path):
     kvpop.retrofit(bare, Budget(2, 6, 8), scorer=None, policy="streaming")
     with pytest.raises(ValueError, match="this model has none"):
         kvpop.set_window_attention_prior(bare)
+
+
+def test_a_chunk_at_once_equals_its_steps():
+    """``resume`` in one pass gives each call's priority and the state the token-by-token steps give, across chunks
+    of several sizes with a left-padded row (the cache's chunked prefill)."""
+    budget = Budget(2, 5, 4)
+    policy = build_policy("window_attention", budget)
+    g = torch.Generator().manual_seed(4)
+    size, hq, hkv = 30, 6, 3
+    q = torch.randn(2, hq, size, 8, generator=g)
+    k = torch.randn(2, hkv, size, 8, generator=g)
+    valid = torch.ones(2, size, dtype=torch.bool)
+    valid[1, :3] = False
+    positions = (torch.arange(size)[None] - torch.tensor([[0], [3]]))[:, None]
+    chunked, stepped, state, steps = [], [], None, None
+    for a, b in ((0, 7), (7, 8), (8, 19), (19, 30)):
+        layer = LayerView(0, None, None, q[:, :, a:b], 0.3)
+        raw, state = policy.resume(layer, k[:, :, a:b], k[:, :, a:b], valid[:, a:b], positions[..., a:b], state)
+        chunked.append(raw)
+        for i in range(a, b):
+            one = LayerView(0, None, None, q[:, :, i:i + 1], 0.3)
+            raw, steps = policy.step(one, k[:, :, i], k[:, :, i], valid[:, i], positions[:, 0, i].clamp(min=0), steps)
+            stepped.append(raw)
+    chunked, stepped = torch.cat(chunked, -1), torch.stack(stepped, -1)
+    leaves = positions[:, 0] - budget.window >= budget.sink  # the calls whose priority is read
+    assert torch.allclose(chunked.transpose(1, 2)[leaves], stepped.transpose(1, 2)[leaves], atol=1e-9)
+    assert torch.equal(state["pos"], steps["pos"])
+    assert torch.allclose(state["keys"], steps["keys"]) and torch.allclose(state["mass"], steps["mass"], atol=1e-12)

@@ -115,14 +115,50 @@ class WindowAttention(StaticPolicy):
         scores = torch.einsum("bhd,bhkd->bhk", query[:, :, 0].to(WORK),
                               keys.to(WORK).repeat_interleave(group, dim=1)) * scale
         probs = torch.nan_to_num(scores.masked_fill((pos < 0)[:, None, :], float("-inf")).softmax(-1))
-        mass = torch.where(valid[:, None, None], mass + probs, mass)
+        in_window = (pos > (position - w)[:, None])[:, None, :]  # a sink's mass counts only while in the window
+        mass = torch.where(valid[:, None, None], mass + probs * in_window, mass)
         return leaving, {"keys": keys, "pos": pos, "mass": mass}
 
     def resume(self, layer, keys, values, valid, positions, state):
-        """A chunk as the steps it replaces (its tokens' priorities depend on the chunk's own queries in order)."""
-        out = []
-        for i in range(keys.shape[2]):
-            step_layer = dataclasses.replace(layer, query=layer.query[:, :, i:i + 1])
-            raw, state = self.step(step_layer, keys[:, :, i], values[:, :, i], valid[:, i], positions[:, 0, i], state)
-            out.append(raw)
-        return torch.stack(out, dim=-1), state
+        """A chunk at once: its queries score the state's tokens and the chunk's (each its sinks and window), in
+        blocks of query rows; a token leaving the window at call ``i`` has, by then, exactly its window's queries in
+        its mass (later queries do not see it in their window), so one pass gives every call's priority; each slot
+        then keeps its latest token. Equal to the steps it replaces."""
+        s, w = self.budget.sink, self.budget.window
+        bsz, hkv, chunk, _ = keys.shape
+        query, scale = _query(layer, chunk)
+        hq = query.shape[1]
+        if state is None:
+            state = self.init_state(keys[:, :, 0], hq)
+        new_pos = torch.where(valid, positions[:, 0], -1)  # [B, C]; padding: no token
+        cand_pos = torch.cat([state["pos"], new_pos], -1)  # [B, N]
+        cand_keys = torch.cat([state["keys"], keys.to(state["keys"].dtype)], 2).to(WORK)
+        cand_keys = cand_keys.repeat_interleave(hq // hkv, dim=1)
+        mass = torch.cat([state["mass"], state["mass"].new_zeros(bsz, hq, chunk)], -1)
+        filled, n = cand_pos >= 0, cand_pos.shape[-1]
+        rows = chunk
+        while rows > 1 and 8 * bsz * hq * rows * n > (1 << 26):
+            rows = (rows + 1) // 2
+        t = cand_pos[:, None, None, :]
+        for start in range(0, chunk, rows):
+            sl = slice(start, min(chunk, start + rows))
+            d = new_pos[:, None, sl, None]
+            seen = filled[:, None, None, :] & valid[:, None, sl, None] & (t <= d)
+            in_window = seen & (t > d - w)
+            scores = torch.einsum("bhqd,bhkd->bhqk", query[:, :, sl].to(WORK), cand_keys) * scale
+            probs = torch.nan_to_num(scores.masked_fill(~(in_window | (seen & (t < s))), float("-inf")).softmax(-1))
+            mass = mass + (probs * in_window).sum(2)
+        leaving = (positions[:, 0] - w)[:, :, None]  # [B, C, 1]: the token each call reads
+        which = ((cand_pos[:, None, :] == leaving) & filled[:, None, :]).long().argmax(-1)  # [B, C]; 0 if none
+        raw = _group_log_mass(mass.gather(-1, which[:, None, :].expand(-1, hq, -1)), hkv, w)
+        slot = torch.where(cand_pos < s, cand_pos, s + (cand_pos - s) % w)
+        slot = torch.where(filled, slot, s + w)  # empty candidates: a spare slot past the end
+        latest = torch.full((bsz, s + w + 1), -1, dtype=torch.long, device=keys.device)
+        latest = latest.scatter_reduce(-1, slot, torch.arange(n, device=keys.device).expand(bsz, n), "amax")
+        latest = latest[:, :s + w]
+        empty, latest = latest < 0, latest.clamp(min=0)
+        keep_keys = torch.cat([state["keys"], keys.to(state["keys"].dtype)], 2)
+        return raw, {"keys": torch.where(empty[:, None, :, None], 0.0, keep_keys.gather(
+                         2, latest[:, None, :, None].expand(-1, hkv, -1, keep_keys.shape[-1]))).to(keep_keys.dtype),
+                     "pos": torch.where(empty, -1, cand_pos.gather(-1, latest)),
+                     "mass": torch.where(empty[:, None, :], 0.0, mass.gather(-1, latest[:, None, :].expand(-1, hq, -1)))}
