@@ -15,7 +15,6 @@ mass in the policy state: ``(s + w)`` keys per KV head beside the cache's ``B`` 
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -161,4 +160,5 @@ class WindowAttention(StaticPolicy):
         return raw, {"keys": torch.where(empty[:, None, :, None], 0.0, keep_keys.gather(
                          2, latest[:, None, :, None].expand(-1, hkv, -1, keep_keys.shape[-1]))).to(keep_keys.dtype),
                      "pos": torch.where(empty, -1, cand_pos.gather(-1, latest)),
-                     "mass": torch.where(empty[:, None, :], 0.0, mass.gather(-1, latest[:, None, :].expand(-1, hq, -1)))}
+                     "mass": torch.where(empty[:, None, :], 0.0,
+                                         mass.gather(-1, latest[:, None, :].expand(-1, hq, -1)))}
