@@ -59,16 +59,6 @@ def parse_args(argv=None):
     return args
 
 
-def committed(path: Path, identity: dict, what: str) -> list[dict]:
-    """The JSON lines of ``path`` (none if it is missing); a line of another run (``identity`` differs) is refused."""
-    found = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    for record in found:
-        if {k: record.get(k) for k in identity} != identity:
-            theirs = ", ".join(f"{k} {record.get(k)}" for k in identity)
-            raise ValueError(f"{path} holds {what} of {theirs}: use another --tag or remove the file")
-    return found
-
-
 def calibration_identity(args) -> dict:
     return {"checkpoint": str(Path(args.checkpoint).resolve()), "source": args.calibrate_source,
             "sequences": args.calibrate_sequences, "seq_len": args.seq_len}
@@ -76,7 +66,7 @@ def calibration_identity(args) -> dict:
 
 def calibrate(model, args, meta, tokenizer, path: Path) -> dict:
     """The streaming layers calibrated on ``--calibrate-source``'s training split, committed to ``path`` as one JSON
-    line (a re-run reads it back: :func:`committed`)."""
+    line (a re-run reads it back: :func:`benchmarks.scorer_records.committed`)."""
     import torch
 
     from benchmarks.learning_curves import corpus_config
@@ -103,49 +93,20 @@ def records_identity(args, layers: list[int]) -> dict:
 
 def measure(model, args, meta, tokenizer, layers: list[int], records_path: Path) -> list[dict]:
     """Every (corpus, sequence, rule) not yet in ``records_path``, appended as measured."""
-    import torch
-
     import kvpop
-    from benchmarks.learning_curves import corpus_config
+    from benchmarks.scorer_records import measure as measure_rules
     from kvpop.evaluation import Setting, forced_logits
-    from kvpop.metrics import per_sequence
-    from pipelines.data import load_sequences
 
-    identity = records_identity(args, layers)
-    done = committed(records_path, identity, "records")
-    have = {(r["source"], r["item"], r["rule"]) for r in done}
-    budget = kvpop.Budget(**meta["budget"])
-    start = budget.total
-    with records_path.open("a") as sink, torch.no_grad():
-        for source in args.sources:
-            cfg = corpus_config(args.model, source, args.seq_len, meta["budget"], 1.0, args.sequences)
-            rows = load_sequences(cfg, "eval", tokenizer)[:args.sequences]
-            for item, row in enumerate(rows):
-                rules = [r for r in RULES + DYNAMIC * (item < args.dynamic_sequences) if (source, item, r) not in have]
-                if not rules:
-                    continue
-                t0 = time.perf_counter()
-                ids = torch.tensor([row["input_ids"]], dtype=torch.long, device=args.device)
-                kvpop.set_policy(model, "dense")
-                dense = model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
-                for rule in rules:
-                    kvpop.set_streaming_layers(model, layers if rule == "kvpop+streaming_layers" else ())
-                    if rule in DYNAMIC:
-                        logits = forced_logits(model, Setting(rule, budget), ids, start=start)
-                    else:
-                        kvpop.set_policy(model, "streaming" if rule == "streaming" else "kvpop", budget,
-                                         recency=meta["recency"])
-                        logits = model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
-                    metrics = per_sequence(logits.float(), dense.float(), ids[:, start:])[0]
-                    record = {**identity, "source": source, "item": item, "rule": rule, "kl": metrics["kl"],
-                              "top1": metrics["top1_agreement"]}
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                    done.append(record)
-                print(f"[streaming_layers] {source} item {item}: " + ", ".join(
-                    f"{r['rule']} {r['kl']:.4f}" for r in done[-len(rules):]) +
-                    f" ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return done
+    def logits_of(rule, ids, budget, start):
+        kvpop.set_streaming_layers(model, layers if rule == "kvpop+streaming_layers" else ())
+        if rule in DYNAMIC:
+            return forced_logits(model, Setting(rule, budget), ids, start=start)
+        kvpop.set_policy(model, "streaming" if rule == "streaming" else "kvpop", budget, recency=meta["recency"])
+        return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
+
+    return measure_rules(model, args, meta, tokenizer, records_path, records_identity(args, layers),
+                         lambda item: RULES + DYNAMIC * (item < args.dynamic_sequences), logits_of,
+                         "streaming_layers")
 
 
 def summarize(records: list[dict], sources: list[str]) -> dict:
@@ -202,22 +163,17 @@ def render(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from benchmarks.learning_curves import corpus_config, load_saved_scorer
+    from benchmarks.learning_curves import load_saved_scorer
+    from benchmarks.scorer_records import committed, saved_scorer
     from kvpop import Budget
     from kvpop.files import atomic_write_text
     from pipelines.config import ConfigError
-    from pipelines.data import check_inputs, load_tokenizer
+    from pipelines.data import load_tokenizer
 
     folder = Path(args.checkpoint)
-    if not (folder / "kvpop.json").is_file():
-        print(f"streaming_layers: --checkpoint {folder} has no kvpop.json; give a scorer folder", file=sys.stderr)
-        return 2
-    meta = json.loads((folder / "kvpop.json").read_text())
     try:
-        configs = [corpus_config(args.model, s, args.seq_len, meta["budget"], 1.0, args.sequences)
-                   for s in [*args.sources, *([args.calibrate_source] if args.calibrate_source else [])]]
-        for cfg in configs:
-            check_inputs(cfg)
+        meta, configs = saved_scorer(folder, args.model, [*args.sources, *([args.calibrate_source] if
+                                     args.calibrate_source else [])], args.seq_len, args.sequences)
     except ConfigError as err:
         print(f"streaming_layers: {err}", file=sys.stderr)
         return 2

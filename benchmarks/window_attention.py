@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,50 +51,22 @@ def parse_args(argv=None):
 
 def measure(model, args, meta, tokenizer, records_path: Path, identity: dict) -> list[dict]:
     """Every (corpus, sequence, rule) not yet in ``records_path``, appended as measured."""
-    import torch
-
     import kvpop
-    from benchmarks.learning_curves import corpus_config
-    from benchmarks.streaming_layers import committed
+    from benchmarks.scorer_records import measure as measure_rules
     from kvpop.evaluation import Setting, forced_logits
-    from kvpop.metrics import per_sequence
-    from pipelines.data import load_sequences
 
-    done = committed(records_path, identity, "records")
-    have = {(r["source"], r["item"], r["rule"]) for r in done}
     prior = bool(meta.get("window_attention_prior", False))  # a scorer trained on the prior: its kvpop row has it
-    budget = kvpop.Budget(**meta["budget"])
-    start = budget.total
-    with records_path.open("a") as sink, torch.no_grad():
-        for source in args.sources:
-            cfg = corpus_config(args.model, source, args.seq_len, meta["budget"], 1.0, args.sequences)
-            rows = load_sequences(cfg, "eval", tokenizer)[:args.sequences]
-            for item, row in enumerate(rows):
-                rules = [r for r in STATIC + DYNAMIC * (item < args.dynamic_sequences) if (source, item, r) not in have]
-                if not rules:
-                    continue
-                t0 = time.perf_counter()
-                ids = torch.tensor([row["input_ids"]], dtype=torch.long, device=args.device)
-                kvpop.set_policy(model, "dense")
-                dense = model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
-                for rule in rules:
-                    if rule in DYNAMIC:
-                        logits = forced_logits(model, Setting(rule, budget), ids, start=start)
-                    else:
-                        policy = rule.removesuffix("+prior")
-                        kvpop.set_policy(model, policy, budget, recency=meta["recency"] if policy == "kvpop" else 0.0)
-                        kvpop.set_window_attention_prior(model, rule == "kvpop+prior" or prior)
-                        logits = model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
-                    metrics = per_sequence(logits.float(), dense.float(), ids[:, start:])[0]
-                    record = {**identity, "source": source, "item": item, "rule": rule, "kl": metrics["kl"],
-                              "top1": metrics["top1_agreement"]}
-                    sink.write(json.dumps(record) + "\n")
-                    sink.flush()
-                    done.append(record)
-                print(f"[window_attention] {source} item {item}: " + ", ".join(
-                    f"{r['rule']} {r['kl']:.4f}" for r in done[-len(rules):]) +
-                    f" ({time.perf_counter() - t0:.0f} s)", flush=True)
-    return done
+
+    def logits_of(rule, ids, budget, start):
+        if rule in DYNAMIC:
+            return forced_logits(model, Setting(rule, budget), ids, start=start)
+        policy = rule.removesuffix("+prior")
+        kvpop.set_policy(model, policy, budget, recency=meta["recency"] if policy == "kvpop" else 0.0)
+        kvpop.set_window_attention_prior(model, rule == "kvpop+prior" or prior)
+        return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
+
+    return measure_rules(model, args, meta, tokenizer, records_path, identity,
+                         lambda item: STATIC + DYNAMIC * (item < args.dynamic_sequences), logits_of, "window_attention")
 
 
 def summarize(records: list[dict], sources: list[str]) -> dict:
@@ -149,23 +120,16 @@ def render(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from benchmarks.learning_curves import corpus_config, load_saved_scorer
-    from benchmarks.streaming_layers import committed
+    from benchmarks.learning_curves import load_saved_scorer
+    from benchmarks.scorer_records import committed, saved_scorer
     from kvpop import Budget
     from kvpop.files import atomic_write_text
     from pipelines.config import ConfigError
-    from pipelines.data import check_inputs, load_tokenizer
+    from pipelines.data import load_tokenizer
 
     folder = Path(args.checkpoint)
-    if not (folder / "kvpop.json").is_file():
-        print(f"window_attention: --checkpoint {folder} has no kvpop.json; give a scorer folder", file=sys.stderr)
-        return 2
-    meta = json.loads((folder / "kvpop.json").read_text())
     try:
-        configs = [corpus_config(args.model, s, args.seq_len, meta["budget"], 1.0, args.sequences)
-                   for s in args.sources]
-        for cfg in configs:
-            check_inputs(cfg)
+        meta, configs = saved_scorer(folder, args.model, args.sources, args.seq_len, args.sequences)
     except ConfigError as err:
         print(f"window_attention: {err}", file=sys.stderr)
         return 2

@@ -78,31 +78,32 @@ class KVpop(StaticPolicy):
     def resume(self, layer, keys, values, valid, positions, state):
         if _streams(layer):
             return super().resume(layer, keys, values, valid, positions, state)
-        scorer = _scorer(layer)
-        state, prior_state = _split(state)
-        if state is None:
-            state = scorer.init_state(keys.shape[0], keys.device)
-        if self.stepwise:
-            raw, state = step_through(scorer, keys, values, state, valid)
-        else:
-            raw, state = scorer.resume(keys, values, state, valid=valid)
-        prior = _prior(layer, self.budget)
-        if prior is not None:
-            extra, prior_state = prior.resume(layer, keys, values, valid, positions, prior_state)
-            raw = raw + extra
-        return raw, _join(state, prior_state)
+
+        def scored(scorer, state):
+            if self.stepwise:
+                return step_through(scorer, keys, values, state, valid)
+            return scorer.resume(keys, values, state, valid=valid)
+
+        return self._with_prior(layer, keys, state, scored,
+                                lambda prior, s: prior.resume(layer, keys, values, valid, positions, s))
 
     def step(self, layer, key, value, valid, position, state):
         if _streams(layer):
             return super().step(layer, key, value, valid, position, state)
+        return self._with_prior(layer, key, state, lambda scorer, s: scorer.step(key, value, s, valid=valid),
+                                lambda prior, s: prior.step(layer, key, value, valid, position, s))
+
+    def _with_prior(self, layer, key, state, scored, prior_scored):
+        """The scorer's ``(raw, state)`` from ``scored(scorer, its state)`` plus, with the window attention prior, the
+        prior's from ``prior_scored(prior, its state)``; one state dict holds both (:func:`_split`)."""
         scorer = _scorer(layer)
         state, prior_state = _split(state)
         if state is None:
             state = scorer.init_state(key.shape[0], key.device)
-        raw, state = scorer.step(key, value, state, valid=valid)
+        raw, state = scored(scorer, state)
         prior = _prior(layer, self.budget)
         if prior is not None:
-            extra, prior_state = prior.step(layer, key, value, valid, position, prior_state)
+            extra, prior_state = prior_scored(prior, prior_state)
             raw = raw + extra
         return raw, _join(state, prior_state)
 
