@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
-#    recipe learning_curves capacity pipeline window_attention prior)
+#    recipe learning_curves capacity pipeline window_attention prior prior256)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -89,6 +89,16 @@ run_part() {
                   --recall-tasks niah_single niah_single_essay niah_multikey_2 --checkpoints 1e6 4e6 11e6 \
                   --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json \
                   --tag h200_w256_qp16_prior ;;
+    # issue 12: the same at CR 93.75 %: the w128 β = 16 recipe trained at B = 512 on the prior, evaluated at B = 256
+    # (references reused from the CR 93.75 % prose study); ~15 min
+    prior256)   python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-900}" \
+                  --train-sequences 5120 --save-state "$out/prior256_state" --window 128 --topk 380 --eval-topks 124 \
+                  --query-power 16 --window-attention-prior --heuristics tova h2o window_attention \
+                  --eval-sources stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --eval-sequences 64 \
+                  --dynamic-sequences 24 --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
+                  --recall-tasks niah_single --checkpoints 4e6 16e6 \
+                  --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_prose.json \
+                  --tag h200_w128_qp16_at256_prior ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
