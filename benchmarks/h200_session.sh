@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
-#    recipe learning_curves capacity pipeline window_attention prior prior256)
+#    recipe learning_curves capacity pipeline window_attention prior prior256
+#    stdlib_trained)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -99,6 +100,14 @@ run_part() {
                   --recall-tasks niah_single --checkpoints 4e6 16e6 \
                   --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_prose.json \
                   --tag h200_w128_qp16_at256_prior ;;
+    # issue 12: the other direction — the w256 β = 16 recipe trained on code (stdlib, ~800 sequences of the running
+    # Python's sources), evaluated on stdlib's held-out files, champ and the docs; streaming, window_attention and the
+    # oracle as references (no TOVA / H2O: minutes); ~6 min
+    stdlib_trained) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-300}" \
+                  --source stdlib --train-sequences 700 --save-state "$out/stdlib_state" --window 256 --topk 252 \
+                  --eval-topks 252 --query-power 16 --heuristics window_attention \
+                  --eval-sources champ "${DOCS:-/tmp/gpu/python_docs.jsonl}" --eval-sequences 64 --recall-samples 0 \
+                  --checkpoints 1e6 3e6 8e6 --tag h200_w256_qp16_stdlib ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
