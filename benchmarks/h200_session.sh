@@ -73,13 +73,15 @@ run_part() {
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval" && \
                   { for best in "$KVPOP_HOME"/sweeps/*/best.yaml; do [ ! -e "$best" ] || cp "$best" "$out/"; done; } ;;
     # issue 12: the window_attention heuristic and the committed w256 β = 16 scorer with and without the window
-    # attention prior (an untrained blend) vs streaming / TOVA / H2O on champ, stdlib and the Python docs (DOCS: the
-    # jsonl of benchmarks/python_docs_corpus.py), 64 held-out sequences each, TOVA / H2O on the first 8; ~10 min
+    # attention prior (an untrained blend) vs streaming on champ, stdlib and the Python docs (DOCS: the jsonl of
+    # benchmarks/python_docs_corpus.py), 64 held-out sequences each. WINDOW_ATTENTION_DYNAMIC=N adds TOVA / H2O on the
+    # first N — one sequence at a time there: 100-140 s each on the shared H200 in the tenth session, which stopped
+    # the part after 3 (the prior parts pair window_attention with TOVA / H2O on 24 items in batches instead)
     window_attention) mkdir -p "$out/wa_scorer" && \
                   tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/wa_scorer" && \
                   python benchmarks/window_attention.py --checkpoint "$out/wa_scorer/step-0000670" --device cuda \
-                  --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 --dynamic-sequences 8 \
-                  --tag h200_w256_qp16 --out "$out" ;;
+                  --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 \
+                  --dynamic-sequences "${WINDOW_ATTENTION_DYNAMIC:-0}" --tag h200_w256_qp16 --out "$out" ;;
     # issue 12: the champ-only w256 β = 16 recipe trained on top of the window attention prior, evaluated on champ,
     # stdlib and the docs with window_attention among the references (the rest reused from the prose study); ~15 min
     prior)      python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-900}" \
@@ -100,11 +102,11 @@ run_part() {
                   --recall-tasks niah_single --checkpoints 4e6 16e6 \
                   --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_prose.json \
                   --tag h200_w128_qp16_at256_prior ;;
-    # issue 12: the other direction — the w256 β = 16 recipe trained on code (stdlib, ~800 sequences of the running
-    # Python's sources), evaluated on stdlib's held-out files, champ and the docs; streaming, window_attention and the
-    # oracle as references (no TOVA / H2O: minutes); ~6 min
-    stdlib_trained) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-300}" \
-                  --source stdlib --train-sequences 700 --save-state "$out/stdlib_state" --window 256 --topk 252 \
+    # issue 12: the other direction — the w256 β = 16 recipe trained on code (stdlib: Python 3.12's sources, 655
+    # training sequences there), evaluated on stdlib's held-out files, champ and the docs; streaming, window_attention
+    # and the oracle as references (no TOVA / H2O: minutes); ~10 min
+    stdlib_trained) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
+                  --source stdlib --train-sequences 640 --save-state "$out/stdlib_state" --window 256 --topk 252 \
                   --eval-topks 252 --query-power 16 --heuristics window_attention \
                   --eval-sources champ "${DOCS:-/tmp/gpu/python_docs.jsonl}" --eval-sequences 64 --recall-samples 0 \
                   --checkpoints 1e6 3e6 8e6 --tag h200_w256_qp16_stdlib ;;
