@@ -5,8 +5,8 @@ corpus and budget, paired per item with 95 % bootstrap intervals (``pipelines.st
 
 Each ``.json`` is a finished ``benchmarks/learning_curves.py`` study; the point compared is the last one unless
 ``--tokens-a`` / ``--tokens-b`` name another (the nearest token count). The two must have measured the same items on
-the same base (the rule of ``--references-from``: ``learning_curves.REUSE_MUST_MATCH``) — otherwise one line and exit
-2. Compared: KL and top-1 on the held-out text of every corpus both evaluated, at every budget both have; recall exact
+the same base (the rule of ``--references-from``: ``learning_curves.REUSE_MUST_MATCH``, and the same held-out text where
+both record its digest) — otherwise one line and exit 2. Compared: KL and top-1 on the held-out text of every corpus both evaluated, at every budget both have; recall exact
 match and gold log-probability over the headline cells. Writes ``<out>/compare_<tag>.{json,md}``.
 """
 from __future__ import annotations
@@ -108,7 +108,7 @@ def describe(study: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from benchmarks.learning_curves import SAVED_BEFORE, reference_study
+    from benchmarks.learning_curves import SAVED_BEFORE, check_heldout, reference_study
     from kvpop.files import atomic_write_text
     from pipelines.config import ConfigError
 
@@ -116,6 +116,8 @@ def main(argv=None) -> int:
         baseline, point_a = load_point(args.baseline, args.tokens_a)
         candidate, point_b = load_point(args.candidate, args.tokens_b)
         reference_study(args.candidate, {**SAVED_BEFORE, **baseline["meta"]["study"]})  # same items, same base
+        check_heldout(str(args.candidate), baseline["meta"].get("heldout_sha256"),  # and the same text
+                      candidate["meta"].get("heldout_sha256") or {})
     except (ValueError, ConfigError) as err:
         print(f"compare_studies: {err}", file=sys.stderr)
         return 2

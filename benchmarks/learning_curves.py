@@ -33,7 +33,9 @@ data order's generator and the rest of its epoch, the loss's generator, the lear
 settings (:data:`STUDY_ARGS`, :data:`EVAL_ARGS`), the base weights' digest, the sha256 of each file, and every point
 and reference so far. A save cut off midway leaves the previous state whole. ``--resume DIR`` continues exactly there
 (the batches it would have drawn next: N + M steps resumed give the weights of one run of N + M steps) and refuses, in
-one line (exit code 2), a run whose study settings or base weights differ; it reuses the references, its checkpoints
+one line (exit code 2), a run whose study settings or base weights differ, or whose corpora hold other held-out
+sequences under the same name (``meta.heldout_sha256``: the sha256 of each corpus's held-out token ids, checked
+before the model loads; ``--references-from`` is held to it too); it reuses the references, its checkpoints
 continue the token axis, and its outputs hold every earlier point. ``--time-budget-s`` stops training early enough for
 the last evaluation and save to fit.
 
@@ -56,6 +58,7 @@ CPU proof (SmolLM2, S = 128), then the same options continue it:
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import math
 import os
@@ -487,6 +490,27 @@ def load_optimizer_tensors(folder: Path, manifest: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ evaluation
+def heldout_digest(rows: list[dict]) -> str:
+    """sha256 of a corpus's held-out sequences (their token ids, in order): a corpus is the same only if this is."""
+    digest = hashlib.sha256()
+    for row in rows:
+        digest.update(json.dumps(row["input_ids"]).encode())
+    return digest.hexdigest()
+
+
+def check_heldout(what: str, saved: dict | None, digests: dict[str, str]) -> None:
+    """One line when a corpus of this run has other held-out sequences than in the ``saved`` digests (a study's
+    ``meta.heldout_sha256``; older studies have none and are not checked): the same name, another text — e.g. the
+    stdlib of another Python, or a local file rebuilt."""
+    from pipelines.config import ConfigError
+
+    differ = [f"{name} ({digest[:12]}… here, {saved[name][:12]}… there)" for name, digest in digests.items()
+              if saved and name in saved and saved[name] != digest]
+    if differ:
+        raise ConfigError(f"{what}: other held-out sequences under the same corpus name: {'; '.join(differ)}. "
+                          f"Evaluate on the very same text (the same file, the same Python for stdlib) or start anew")
+
+
 def reference_runs(args, budgets):
     """The settings that do not depend on the scorer: streaming, the oracle and the asked heuristics per budget."""
     from kvpop.evaluation import settings
@@ -714,7 +738,6 @@ def run(args) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":  # spinning intra-op threads on a busy small box cost far more than they give
         torch.set_num_threads(1)
-    model, _ = load_pretrained(study.base, dtype=getattr(torch, resolved_dtype(args)), device=device)
     train_budget, eval_budgets, unreachable = budgets_for(args)
     t0 = time.perf_counter()
     train_ids, heldout = load_data(cfg, study.tokenizer, study.mix)
@@ -727,6 +750,15 @@ def run(args) -> dict:
         rows = load_sequences(other, "eval", study.tokenizer)
         others[source] = (other, {**inputs, "sequences": rows, "samples": []},
                           torch.tensor([r["input_ids"] for r in rows], dtype=torch.long, device=device))
+    digests = {args.source: heldout_digest(heldout),
+               **{source: heldout_digest(corpus_inputs["sequences"]) for source, (_, corpus_inputs, _) in
+                  others.items()}}
+    if manifest:
+        check_heldout(f"--resume {study.resume}", manifest["result"]["meta"].get("heldout_sha256"), digests)
+    if study.references_from:
+        check_heldout(f"--references-from {args.references_from}",
+                      study.references_from["meta"].get("heldout_sha256"), digests)
+    model, _ = load_pretrained(study.base, dtype=getattr(torch, resolved_dtype(args)), device=device)
     budgets = [{"B": b.total, "CR": 1 - b.total / args.seq_len, "budget": str(b)} for b in eval_budgets]
     print(f"[curves] {len(train_ids)} training / {len(heldout)} held-out sequences of {args.seq_len} ({data_s:.0f}s), "
           f"{len(study.samples)} recall samples; training to step {study.total_steps} ({tokens_per_step} tokens each)",
@@ -774,7 +806,7 @@ def run(args) -> dict:
                 "eval_sequences": len(other_inputs["sequences"]),
                 "summary": summarize_records(other_refs, budgets, args.resamples, args.seed)}}
         print(f"[curves] references: {result['references']['seconds']}s", flush=True)
-    result["meta"].update(args=vars(args), study=study.settings, train_budget=str(train_budget),
+    result["meta"].update(args=vars(args), study=study.settings, heldout_sha256=digests, train_budget=str(train_budget),
                           eval_budgets=[str(b) for b in eval_budgets], budgets=budgets, unreachable=unreachable,
                           tokens_per_step=tokens_per_step, train_sequences=len(train_ids),
                           eval_sequences=len(heldout), recall_samples=len(study.samples),

@@ -94,6 +94,25 @@ def test_refuses_studies_on_other_items_in_one_line(tmp_path, capsys, key):
     assert not (tmp_path / "compare_t.json").exists()
 
 
+def test_refuses_other_heldout_text_under_the_same_corpus_name(tmp_path, capsys):
+    records = [text_record(f"eval-{i:06d}", 0.1, 0.9) for i in range(3)]
+    base = study(tmp_path / "a.json", [point(1e6, records)])
+    meta = json.loads(base.read_text())
+    meta["meta"]["heldout_sha256"] = {"champ": "a" * 64, "docs": "b" * 64}
+    base.write_text(json.dumps(meta))
+    meta["meta"]["heldout_sha256"] = {"champ": "a" * 64}  # a corpus only one of them has: not compared
+    same = tmp_path / "same.json"
+    same.write_text(json.dumps(meta))
+    assert compare_studies.main([str(base), str(same), "--tag", "t", "--out", str(tmp_path)]) == 0
+    meta["meta"]["heldout_sha256"] = {"champ": "c" * 64}
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(meta))
+    capsys.readouterr()
+    assert compare_studies.main([str(base), str(other), "--tag", "t", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "other held-out sequences" in err and "champ (cccccccccccc" in err
+
+
 def test_refuses_a_file_that_is_not_a_study_and_a_study_without_points(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")

@@ -266,6 +266,35 @@ def test_references_of_a_finished_study_are_reused_only_where_measured_alike(tin
     assert len(err.splitlines()) == 1 and "eval_sequences 2 (there 3)" in err, err
 
 
+def test_other_heldout_text_under_the_same_name_is_refused(tiny_setup, home, tmp_path, capsys):
+    """A corpus rebuilt under the same name (a local file rewritten, the stdlib of another Python) has other held-out
+    sequences: ``--references-from`` and ``--resume`` refuse it in one line naming it; the same text is accepted."""
+    from tests.models import write_docs
+
+    other = tmp_path / "other.jsonl"
+    write_docs(other, 30, seed=7, min_words=40, max_words=90)
+    common = ["--checkpoints", str(TOKENS_PER_STEP), "--eval-sources", str(other)]
+    assert curves.main(argv(tiny_setup, tmp_path / "first", *common, "--save-state", str(tmp_path / "state"))) == 0
+    saved = tmp_path / "first" / "learning_curves_t.json"
+    digests = json.loads(saved.read_text())["meta"]["heldout_sha256"]
+    assert set(digests) == {str(tiny_setup / "docs.jsonl"), str(other)} and len(set(digests.values())) == 2
+    assert curves.main(argv(tiny_setup, tmp_path / "same", *common, "--references-from", str(saved))) == 0
+
+    write_docs(other, 30, seed=8, min_words=40, max_words=90)  # the same name, other documents
+
+    def refused(*extra) -> str:
+        capsys.readouterr()
+        assert curves.main(argv(tiny_setup, tmp_path / "changed", "--eval-sources", str(other), *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "other held-out sequences" in err and str(other) in err, err
+        assert str(tiny_setup / "docs.jsonl") + " (" not in err  # the training corpus is unchanged
+        return err
+
+    assert "--references-from" in refused("--checkpoints", str(TOKENS_PER_STEP), "--references-from", str(saved))
+    assert "--resume" in refused("--checkpoints", str(2 * TOKENS_PER_STEP), "--resume", str(tmp_path / "state"))
+    assert not (tmp_path / "changed" / "learning_curves_t.json").exists()
+
+
 def test_transfer_diagnostics_of_a_saved_scorer_per_corpus(tiny_setup, home, saved, tmp_path, capsys):
     """``benchmarks/transfer_diagnostics.py`` on a study's saved scorer: the training corpus's numbers are the study's
     own diagnostics of the same sequences; another corpus gets its own; a folder without a scorer is one line."""
