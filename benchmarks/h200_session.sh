@@ -4,7 +4,7 @@
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
-#    stdlib_trained)
+#    stdlib_trained recency_blend)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -82,6 +82,18 @@ run_part() {
                   python benchmarks/window_attention.py --checkpoint "$out/wa_scorer/step-0000670" --device cuda \
                   --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 \
                   --dynamic-sequences "${WINDOW_ATTENTION_DYNAMIC:-0}" --tag h200_w256_qp16 --out "$out" ;;
+    # issue 12: the committed champ scorers (w256 at B = 512; w128 trained at 512, evaluated at B = 256) with the
+    # recency term added at evaluation (priority + λ·t: from the scorer's ranking to streaming's) on champ, stdlib and
+    # the docs, 64 held-out sequences each; ~8 min
+    recency_blend) mkdir -p "$out/rb512" "$out/rb256" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/rb512" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w128_qp16_at256_scorer.tgz -C "$out/rb256" && \
+                  python benchmarks/recency_blend.py --checkpoint "$out/rb512/step-0000670" --device cuda \
+                  --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 \
+                  --recency 0.001 0.003 0.01 0.03 --tag h200_w256_qp16 --out "$out" && \
+                  python benchmarks/recency_blend.py --checkpoint "$(ls -d "$out"/rb256/step-*)" --topk 124 \
+                  --device cuda --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 \
+                  --recency 0.001 0.003 0.01 0.03 --tag h200_w128_qp16_at256 --out "$out" ;;
     # issue 12: the champ-only w256 β = 16 recipe trained on top of the window attention prior, evaluated on champ,
     # stdlib and the docs with window_attention among the references (the rest reused from the prose study); ~15 min
     prior)      python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-900}" \

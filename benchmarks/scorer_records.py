@@ -1,7 +1,8 @@
-"""What the saved-scorer benchmarks (``streaming_layers.py``, ``window_attention.py``) share: a scorer folder and the
-corpora it is scored on, checked before anything loads; per-item records committed as they are measured (a re-run
-skips them, another run's are refused in one line); the teacher-forced measurement of named rules against the dense
-model at the scorer's own B, one record per (corpus, held-out sequence, rule)."""
+"""What the saved-scorer benchmarks (``streaming_layers.py``, ``window_attention.py``, ``recency_blend.py``) share: a
+scorer folder and the corpora it is scored on, checked before anything loads; per-item records committed as they are
+measured (a re-run skips them, another run's are refused in one line); the teacher-forced measurement of named rules
+against the dense model at the scorer's B (or the one it is evaluated at), one record per (corpus, held-out
+sequence, rule)."""
 from __future__ import annotations
 
 import json

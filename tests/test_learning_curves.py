@@ -295,6 +295,47 @@ def test_other_heldout_text_under_the_same_name_is_refused(tiny_setup, home, tmp
     assert not (tmp_path / "changed" / "learning_curves_t.json").exists()
 
 
+def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setup, home, saved, tmp_path, capsys):
+    """``benchmarks/recency_blend.py``: λ = 0 is the scorer's own ranking, a λ that outweighs every score keeps the
+    newest tokens — streaming's kept set, so streaming's numbers; a re-run measures nothing again; records of another
+    budget are refused in one line."""
+    from benchmarks import recency_blend
+
+    manifest = json.loads((saved / "state.json").read_text())
+    common = ["--checkpoint", str(saved / manifest["model"]), "--model", str(tiny_setup / "teacher"), "--sources",
+              str(tiny_setup / "docs.jsonl"), "--sequences", "3", "--seq-len", "64", "--out", str(tmp_path),
+              "--tag", "t"]
+    recall = ["--recall-tasks", "niah_single", "--recall-contexts", "128", "--recall-depths", "0.2",
+              "--recall-samples", "2", "--recall-min-dense", "0"]
+    assert recency_blend.main([*common, "--recency", "0.01", "1e6", *recall]) == 0
+    items = tmp_path / "recency_blend_t_items.jsonl"
+    records = [json.loads(line) for line in items.read_text().splitlines()]
+    by = {(r["rule"], r["item"]): r for r in records}
+    assert sorted({r["rule"] for r in records}) == ["kvpop", "kvpop+0.01", "kvpop+1e+06", "streaming"]
+    for item in range(3):
+        assert by["kvpop+1e+06", item]["kl"] == pytest.approx(by["streaming", item]["kl"], abs=1e-5)
+    assert any(abs(by["kvpop", i]["kl"] - by["streaming", i]["kl"]) > 1e-4 for i in range(3))  # the scorer's own
+    result = json.loads((tmp_path / "recency_blend_t.json").read_text())
+    cell = result["summary"][str(tiny_setup / "docs.jsonl")]
+    assert cell["kl:kvpop+1e+06-streaming"]["mean"] == pytest.approx(0, abs=1e-5)
+    assert "| kvpop+0.01 |" in (tmp_path / "recency_blend_t.md").read_text()
+    answers = [json.loads(line) for line in (tmp_path / "recency_blend_t_recall.jsonl").read_text().splitlines()]
+    by = {(r["rule"], r["item"]): r for r in answers}
+    assert sorted({r["rule"] for r in answers}) == ["dense", "kvpop", "kvpop+0.01", "kvpop+1e+06", "streaming"]
+    assert len(answers) == 5 * 2  # dense kept once
+    for item in {r["item"] for r in answers}:
+        assert by["kvpop+1e+06", item]["logprob"] == pytest.approx(by["streaming", item]["logprob"], abs=1e-4)
+        assert by["kvpop+1e+06", item]["text"] == by["streaming", item]["text"]
+    assert result["recall"]["logprob:kvpop+1e+06-streaming"]["mean"] == pytest.approx(0, abs=1e-4)
+    assert recency_blend.main([*common, "--recency", "0.01", "1e6", *recall]) == 0
+    assert len(items.read_text().splitlines()) == len(records)  # all there: nothing measured again
+    assert len((tmp_path / "recency_blend_t_recall.jsonl").read_text().splitlines()) == len(answers)
+    capsys.readouterr()
+    assert recency_blend.main([*common, "--recency", "0.01", "--topk", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "use another --tag" in err, err
+
+
 def test_transfer_diagnostics_of_a_saved_scorer_per_corpus(tiny_setup, home, saved, tmp_path, capsys):
     """``benchmarks/transfer_diagnostics.py`` on a study's saved scorer: the training corpus's numbers are the study's
     own diagnostics of the same sequences; another corpus gets its own; a folder without a scorer is one line."""

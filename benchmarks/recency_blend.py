@@ -1,0 +1,243 @@
+"""Can a saved scorer be made safe on text it never saw by adding the recency term at evaluation — priority = scorer
++ λ·t (METHOD §3), which ranks like streaming as λ grows — and what does each λ cost on its own corpus?
+Teacher-forced KL and top-1 agreement against the dense model, per held-out sequence, with paired bootstrap
+intervals against streaming and against the scorer alone (λ = its saved one), at the scorer's budget or another.
+
+    python benchmarks/recency_blend.py --checkpoint DIR --sources champ stdlib --sequences 16 \\
+        --recency 0.001 0.003 0.01 [--topk K]
+
+``DIR``: a scorer folder (``kvpop.json`` + ``kvpop_scorers.safetensors``, its base model from ``--model``);
+``--topk`` evaluates at s + w + K instead of its own budget (e.g. a scorer trained at B = 512 at B = 256). Streaming
+keeps the same B. One record per (corpus, sequence, rule) goes to ``<out>/recency_blend_<tag>_items.jsonl`` as it is
+measured; a re-run skips what is there (records of another checkpoint or budget are refused in one line before
+anything loads). Choose λ on some corpora and read it on one it was not chosen on. Writes
+``<out>/recency_blend_<tag>.{json,md}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="recency_blend", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a scorer folder (kvpop.json + kvpop_scorers.safetensors)")
+    p.add_argument("--model", default="smollm2", help="its base: smollm2 or a local HF folder")
+    p.add_argument("--sources", nargs="+", default=["champ", "stdlib"], help="held-out corpora (data.source values)")
+    p.add_argument("--sequences", type=int, default=16, help="held-out sequences per corpus")
+    p.add_argument("--recency", type=float, nargs="+", required=True, help="λ values added to the scorer's own")
+    p.add_argument("--topk", type=int, default=None, help="long-range slots to evaluate at (default: the scorer's)")
+    p.add_argument("--recall-tasks", nargs="*", default=[], help="recall tasks (pipelines.recall names; none: no "
+                   "recall part), at the first corpus's config")
+    p.add_argument("--recall-contexts", type=int, nargs="+", default=[2048])
+    p.add_argument("--recall-depths", type=float, nargs="+", default=[0.1, 0.5])
+    p.add_argument("--recall-samples", type=int, default=8, help="samples per (task, context, depth) cell")
+    p.add_argument("--recall-min-dense", type=float, default=0.9, help="headline cells: dense exact match >= this")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tag", default="cpu")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    if args.sequences < 1 or any(x < 0 for x in args.recency) or (args.topk is not None and args.topk < 0) or \
+            args.recall_samples < 1:
+        p.error("--sequences and --recall-samples must be >= 1, --recency values and --topk >= 0")
+    return args
+
+
+def rule_name(recency: float) -> str:
+    return f"kvpop+{recency:g}"
+
+
+def rules_of(args) -> list[str]:
+    """streaming, the scorer alone, and the scorer with each added λ (in the given order, without repeats)."""
+    return list(dict.fromkeys(["streaming", "kvpop", *(rule_name(x) for x in args.recency if x > 0)]))
+
+
+def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: dict, rules: list[str],
+                   set_rule) -> list[dict]:
+    """Every rule's greedy answers to the recall samples not yet in ``path`` (the evaluation stage's recall part),
+    appended per rule: exact match and the gold answer's log-probability per sample (dense's kept once, as the rule
+    ``dense``); ``headline``: the sample's cell is one where dense reaches ``--recall-min-dense``."""
+    import kvpop
+    from benchmarks.learning_curves import corpus_config, evaluate_records
+    from benchmarks.scorer_records import committed
+    from kvpop.evaluation import Setting
+    from kvpop.pretrained import read_model_config
+    from pipelines.eval_parts import recall_samples
+
+    def as_list(values):
+        return "[" + ",".join(str(v) for v in values) + "]"
+
+    cfg = corpus_config(args.model, args.sources[0], args.seq_len, budget, 1.0, 1, more=[
+        f"eval.tasks={as_list(args.recall_tasks)}", f"eval.task_contexts={as_list(args.recall_contexts)}",
+        f"eval.task_depths={as_list(args.recall_depths)}", f"eval.task_samples={args.recall_samples}",
+        "eval.generation_prompts=0"])
+    samples = recall_samples(cfg, tokenizer, read_model_config(cfg.model.resolved_path()).get(
+        "max_position_embeddings"))
+    inputs = {"tokenizer": tokenizer, "sequences": [], "budgets": [kvpop.Budget(**budget)], "samples": samples,
+              "problems": [], "prompts": []}
+    done = committed(path, identity, "recall records")
+    have = {r["rule"] for r in done}
+    keep = ("item", "task", "context", "depth", "exact", "logprob", "text")
+    with path.open("a") as sink:
+        for rule in [r for r in rules if r not in have]:
+            setting = Setting(set_rule(rule), kvpop.Budget(**budget))  # the rule's recency now set on the model
+            found = [r for r in evaluate_records(cfg, inputs, model, [setting]) if r["part"] == "recall"]
+            for name, policy in ((rule, setting.policy), *((("dense", "dense"),) if "dense" not in have else ())):
+                rows = [r for r in found if r["policy"] == policy]  # dense answers with every rule: kept once
+                for r in rows:
+                    record = {**identity, "rule": name, **{k: r[k] for k in keep}}
+                    sink.write(json.dumps(record) + "\n")
+                    done.append(record)
+                have.add(name)
+                print(f"[recency_blend] recall {name}: exact {sum(r['exact'] for r in rows) / len(rows):.3f}",
+                      flush=True)
+            sink.flush()
+    cells: dict[tuple, list[float]] = {}
+    for r in done:
+        if r["rule"] == "dense":
+            cells.setdefault((r["task"], r["context"], r["depth"]), []).append(r["exact"])
+    good = {cell for cell, hits in cells.items() if sum(hits) / len(hits) >= args.recall_min_dense}
+    return [{**r, "headline": (r["task"], r["context"], r["depth"]) in good} for r in done]
+
+
+def summarize(records: list[dict], sources: list[str], rules: list[str]) -> dict:
+    """Per corpus: each rule's mean over the sequences every rule has; each λ rule minus streaming and minus the
+    scorer alone, paired."""
+    from benchmarks.bootstrap import paired_bootstrap
+
+    out = {}
+    for source in sources:
+        by_rule = {rule: {r["item"]: r for r in records if r["source"] == source and r["rule"] == rule}
+                   for rule in rules}
+        items = sorted(set.intersection(*(set(by_rule[r]) for r in rules)))
+        cell = out[source] = {"items": items}
+        for metric in ("kl", "top1"):
+            cell[metric] = {rule: sum(by_rule[rule][i][metric] for i in items) / len(items) if items else None
+                            for rule in rules}
+            for rule in rules[1:]:
+                for base in ("streaming", "kvpop"):
+                    if rule != base:
+                        cell[f"{metric}:{rule}-{base}"] = paired_bootstrap([by_rule[rule][i][metric] for i in items],
+                                                                           [by_rule[base][i][metric] for i in items])
+    return out
+
+
+def summarize_recall(records: list[dict], rules: list[str]) -> dict:
+    """Over the headline samples: each rule's exact match and gold log-probability, paired against streaming and
+    the scorer alone."""
+    from benchmarks.bootstrap import paired_bootstrap
+
+    if not records:
+        return {}
+    by_rule = {rule: {r["item"]: r for r in records if r["rule"] == rule and r["headline"]} for rule in
+               ["dense", *rules]}
+    items = sorted(set.intersection(*(set(v) for v in by_rule.values())))
+    out = {"items": items}
+    for metric in ("exact", "logprob"):
+        out[metric] = {rule: sum(by_rule[rule][i][metric] for i in items) / len(items) if items else None
+                       for rule in by_rule}
+        for rule in rules[1:]:
+            for base in ("streaming", "kvpop"):
+                if rule != base:
+                    out[f"{metric}:{rule}-{base}"] = paired_bootstrap([by_rule[rule][i][metric] for i in items],
+                                                                      [by_rule[base][i][metric] for i in items])
+    return out
+
+
+def render(result: dict) -> str:
+    from benchmarks.bootstrap import format_interval
+
+    rules = result["rules"]
+    lines = [f"# Recency blend: {result['checkpoint']} at {result['budget']}", "",
+             "Teacher-forced against the dense model over positions ≥ B, one value per held-out sequence; "
+             "kvpop+λ ranks by the scorer's output + λ·t (λ added to the scorer's own, METHOD §3). Means over the "
+             "sequences every rule has; 95 % paired bootstrap intervals (* where they exclude 0). KL: lower is "
+             "better; top-1: higher.", "",
+             "| corpus | n | metric | rule | mean | − streaming | − kvpop |", "|---|---|---|---|---|---|---|"]
+    for source, cell in result["summary"].items():
+        if not cell["items"]:
+            continue
+        for metric in ("kl", "top1"):
+            for rule in rules:
+                diffs = [cell.get(f"{metric}:{rule}-{base}") for base in ("streaming", "kvpop")]
+                lines.append(f"| {source} | {len(cell['items'])} | {metric} | {rule} | {cell[metric][rule]:.4f} | " +
+                             " | ".join(format_interval(d, 4) if d else "–" for d in diffs) + " |")
+    recall = result.get("recall") or {}
+    if recall.get("items"):
+        lines += ["", f"Recall, headline cells (dense ≥ {result['args']['recall_min_dense']}; {len(recall['items'])} "
+                  "samples): exact match and the gold answer's log-probability, 95 % paired intervals.", "",
+                  "| metric | rule | mean | − streaming | − kvpop |", "|---|---|---|---|---|"]
+        for metric in ("exact", "logprob"):
+            for rule in ["dense", *rules]:
+                diffs = [recall.get(f"{metric}:{rule}-{base}") for base in ("streaming", "kvpop")]
+                lines.append(f"| {metric} | {rule} | {recall[metric][rule]:.3f} | " +
+                             " | ".join(format_interval(d, 3) if d else "–" for d in diffs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from benchmarks.learning_curves import load_saved_scorer
+    from benchmarks.scorer_records import committed, measure, saved_scorer
+    from kvpop import Budget
+    from kvpop.files import atomic_write_text
+    from pipelines.config import ConfigError
+    from pipelines.data import load_tokenizer
+
+    folder = Path(args.checkpoint)
+    try:
+        meta, configs = saved_scorer(folder, args.model, args.sources, args.seq_len, args.sequences)
+    except ConfigError as err:
+        print(f"recency_blend: {err}", file=sys.stderr)
+        return 2
+    budget = {**meta["budget"], **({"topk": args.topk} if args.topk is not None else {})}
+    out = Path(args.out)
+    records_path = out / f"recency_blend_{args.tag}_items.jsonl"
+    identity = {"checkpoint": str(folder.resolve()), "budget": budget, "seq_len": args.seq_len}
+    try:  # what an earlier run committed is read (and refused if it is another run's) before the model loads
+        committed(records_path, identity, "records")
+    except ValueError as err:
+        print(f"recency_blend: {err}", file=sys.stderr)
+        return 2
+    import kvpop
+
+    tokenizer = load_tokenizer(configs[0])
+    model = load_saved_scorer(args.checkpoint, meta, configs[0], args.device)
+    own = float(meta.get("recency", 0.0))
+    rules = rules_of(args)
+
+    def set_rule(rule, at=Budget(**budget)) -> str:
+        """Put the model in ``rule`` (its recency stays on the model for a later set_policy); its policy name."""
+        policy = "streaming" if rule == "streaming" else "kvpop"
+        added = float(rule.removeprefix("kvpop+")) if rule.startswith("kvpop+") else 0.0
+        kvpop.set_policy(model, policy, at, recency=0.0 if policy == "streaming" else own + added)
+        return policy
+
+    def logits_of(rule, ids, at, start):
+        set_rule(rule, at)
+        return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
+
+    out.mkdir(parents=True, exist_ok=True)
+    records = measure(model, args, {**meta, "budget": budget}, tokenizer, records_path, identity, lambda item: rules,
+                      logits_of, "recency_blend")
+    recall = (measure_recall(model, args, budget, tokenizer, out / f"recency_blend_{args.tag}_recall.jsonl",
+                             identity, rules, set_rule) if args.recall_tasks else [])
+    result = {"checkpoint": str(folder), "budget": str(Budget(**budget)), "own_recency": own, "rules": rules,
+              "args": vars(args), "summary": summarize(records, args.sources, rules),
+              "recall": summarize_recall(recall, rules)}
+    atomic_write_text(out / f"recency_blend_{args.tag}.json", json.dumps(result, indent=2))
+    text = render(result)
+    atomic_write_text(out / f"recency_blend_{args.tag}.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
