@@ -84,16 +84,20 @@ run_part() {
                   --dynamic-sequences "${WINDOW_ATTENTION_DYNAMIC:-0}" --tag h200_w256_qp16 --out "$out" ;;
     # issue 12: the committed champ scorers (w256 at B = 512; w128 trained at 512, evaluated at B = 256) with the
     # recency term added at evaluation (priority + λ·t: from the scorer's ranking to streaming's) on champ, stdlib and
-    # the docs, 64 held-out sequences each; ~8 min
+    # the docs, 64 held-out sequences each, and the recall cells at 2k; ~10 min
     recency_blend) mkdir -p "$out/rb512" "$out/rb256" && \
                   tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/rb512" && \
                   tar xzf benchmarks/results/checkpoints/learning_curves_h200_w128_qp16_at256_scorer.tgz -C "$out/rb256" && \
                   python benchmarks/recency_blend.py --checkpoint "$out/rb512/step-0000670" --device cuda \
                   --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 \
-                  --recency 0.001 0.003 0.01 0.03 --tag h200_w256_qp16 --out "$out" && \
+                  --recency 0.0003 0.001 0.002 0.003 0.005 0.01 --recall-tasks niah_single niah_single_essay \
+                  niah_multikey_2 --recall-samples 8 --tag h200_w256_qp16 --out "$out" \
+                  --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json && \
                   python benchmarks/recency_blend.py --checkpoint "$(ls -d "$out"/rb256/step-*)" --topk 124 \
                   --device cuda --sources champ stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --sequences 64 \
-                  --recency 0.001 0.003 0.01 0.03 --tag h200_w128_qp16_at256 --out "$out" ;;
+                  --recency 0.0003 0.001 0.002 0.003 0.005 0.01 --recall-tasks niah_single --recall-samples 8 \
+                  --tag h200_w128_qp16_at256 --out "$out" \
+                  --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_prose.json ;;
     # issue 12: the champ-only w256 β = 16 recipe trained on top of the window attention prior, evaluated on champ,
     # stdlib and the docs with window_attention among the references (the rest reused from the prose study); ~15 min
     prior)      python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-900}" \

@@ -10,8 +10,10 @@ intervals against streaming and against the scorer alone (λ = its saved one), a
 ``--topk`` evaluates at s + w + K instead of its own budget (e.g. a scorer trained at B = 512 at B = 256). Streaming
 keeps the same B. One record per (corpus, sequence, rule) goes to ``<out>/recency_blend_<tag>_items.jsonl`` as it is
 measured; a re-run skips what is there (records of another checkpoint or budget are refused in one line before
-anything loads). Choose λ on some corpora and read it on one it was not chosen on. Writes
-``<out>/recency_blend_<tag>.{json,md}``.
+anything loads). ``--recall-tasks``: the recall cells too (the evaluation stage's recall part). ``--references-from
+STUDY.json``: a learning-curves study of the same held-out sequences (a record carries its sequence's id) lends its
+TOVA, H2O and oracle records — each rule minus TOVA / H2O, and the KL gap to the oracle it closes. Choose λ on some
+corpora and read it on one it was not chosen on. Writes ``<out>/recency_blend_<tag>.{json,md}``.
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--recall-depths", type=float, nargs="+", default=[0.1, 0.5])
     p.add_argument("--recall-samples", type=int, default=8, help="samples per (task, context, depth) cell")
     p.add_argument("--recall-min-dense", type=float, default=0.9, help="headline cells: dense exact match >= this")
+    p.add_argument("--references-from", metavar="JSON", default="", help="a finished learning-curves study on the "
+                   "same held-out sequences: its TOVA, H2O and oracle records there are paired with these by sequence")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tag", default="cpu")
@@ -151,6 +155,59 @@ def summarize_recall(records: list[dict], rules: list[str]) -> dict:
     return out
 
 
+REFERENCE_POLICIES = ("streaming", "tova", "h2o", "oracle")
+
+
+def study_references(path: Path, sources: list[str], B: int) -> dict[str, dict[str, dict[str, dict]]]:
+    """Per corpus of ``sources`` that the study at ``path`` evaluated: ``{policy: {sequence id: record}}`` of its
+    text records at total budget ``B`` (streaming, TOVA, H2O, the oracle); ValueError if it is not a study."""
+    try:
+        study = json.loads(Path(path).read_text())
+        measured = {study["meta"]["study"]["source"]: study["references"]["records"],
+                    **{name: c["references"]["records"] for name, c in study.get("corpora", {}).items()}}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"--references-from {path}: not a learning-curves study ({type(err).__name__}: {err})") \
+            from None
+    out = {}
+    for source in sources:
+        rows = [r for r in measured.get(source, []) if r["part"] == "text" and r.get("B") == B]
+        if rows:
+            out[source] = {policy: {r["item"]: r for r in rows if r["policy"] == policy}
+                           for policy in REFERENCE_POLICIES}
+    return out
+
+
+def versus_references(records: list[dict], references: dict, rules: list[str]) -> dict:
+    """Per corpus: each rule minus TOVA / H2O (paired over the sequences both have, by id), the fraction of the
+    streaming → oracle KL gap it closes (streaming here, the oracle there), and how far this run's streaming is from
+    the study's on the same sequences (precision and device: the pairing's own noise)."""
+    from benchmarks.bootstrap import paired_bootstrap
+    from pipelines.stats import gap_closed
+
+    metric_there = {"kl": "kl", "top1": "top1_agreement"}
+    out = {}
+    for source, theirs in references.items():
+        mine = {rule: {r["id"]: r for r in records if r["source"] == source and r["rule"] == rule and "id" in r}
+                for rule in rules}
+        cell = out[source] = {}
+        both = sorted(set(mine["streaming"]) & set(theirs["streaming"]))
+        cell["streaming_here_minus_there"] = {
+            m: (sum(mine["streaming"][i][m] - theirs["streaming"][i][metric_there[m]] for i in both) / len(both)
+                if both else None) for m in metric_there}
+        for rule in rules:
+            for policy in ("tova", "h2o"):
+                ids = sorted(set(mine[rule]) & set(theirs[policy]))
+                for m, there in metric_there.items():
+                    cell[f"{m}:{rule}-{policy}"] = paired_bootstrap([mine[rule][i][m] for i in ids],
+                                                                    [theirs[policy][i][there] for i in ids])
+            ids = sorted(set(mine[rule]) & set(mine["streaming"]) & set(theirs["oracle"]))
+            if len(ids) > 1:
+                g = gap_closed([mine[rule][i]["kl"] for i in ids], [mine["streaming"][i]["kl"] for i in ids],
+                               [theirs["oracle"][i]["kl"] for i in ids])
+                cell[f"gap:{rule}"] = {"mean": g.estimate, "low": g.lo, "high": g.hi, "n": g.n}
+    return out
+
+
 def render(result: dict) -> str:
     from benchmarks.bootstrap import format_interval
 
@@ -169,6 +226,22 @@ def render(result: dict) -> str:
                 diffs = [cell.get(f"{metric}:{rule}-{base}") for base in ("streaming", "kvpop")]
                 lines.append(f"| {source} | {len(cell['items'])} | {metric} | {rule} | {cell[metric][rule]:.4f} | " +
                              " | ".join(format_interval(d, 4) if d else "–" for d in diffs) + " |")
+    versus = result.get("versus_references") or {}
+    if versus:
+        lines += ["", f"Against the references of `{result['args']['references_from']}` on the same sequences (TOVA / "
+                  "H2O: the sequences it ran them on; KL gap closed: streaming here → the oracle there):", "",
+                  "| corpus | rule | KL − TOVA | KL − H2O | top-1 − TOVA | top-1 − H2O | KL gap closed |",
+                  "|---|---|---|---|---|---|---|"]
+        for source, cell in versus.items():
+            for rule in rules[1:]:
+                gap = cell.get(f"gap:{rule}")
+                lines.append(f"| {source} | {rule} | " + " | ".join(
+                    format_interval(cell[f"{m}:{rule}-{p}"], 4) + f" (n {cell[f'{m}:{rule}-{p}']['n']})"
+                    for m in ("kl", "top1") for p in ("tova", "h2o")) + " | " +
+                    (f"{gap['mean']:.2f} [{gap['low']:.2f}, {gap['high']:.2f}]" if gap else "–") + " |")
+            off = cell["streaming_here_minus_there"]
+            if off["kl"] is not None:
+                lines.append(f"| {source} | (streaming here − there) | {off['kl']:+.4f} | | {off['top1']:+.4f} | | |")
     recall = result.get("recall") or {}
     if recall.get("items"):
         lines += ["", f"Recall, headline cells (dense ≥ {result['args']['recall_min_dense']}; {len(recall['items'])} "
@@ -198,6 +271,12 @@ def main(argv=None) -> int:
         print(f"recency_blend: {err}", file=sys.stderr)
         return 2
     budget = {**meta["budget"], **({"topk": args.topk} if args.topk is not None else {})}
+    try:
+        references = (study_references(Path(args.references_from), args.sources, Budget(**budget).total)
+                      if args.references_from else {})
+    except ValueError as err:
+        print(f"recency_blend: {err}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     records_path = out / f"recency_blend_{args.tag}_items.jsonl"
     identity = {"checkpoint": str(folder.resolve()), "budget": budget, "seq_len": args.seq_len}
@@ -231,7 +310,8 @@ def main(argv=None) -> int:
                              identity, rules, set_rule) if args.recall_tasks else [])
     result = {"checkpoint": str(folder), "budget": str(Budget(**budget)), "own_recency": own, "rules": rules,
               "args": vars(args), "summary": summarize(records, args.sources, rules),
-              "recall": summarize_recall(recall, rules)}
+              "recall": summarize_recall(recall, rules),
+              "versus_references": versus_references(records, references, rules)}
     atomic_write_text(out / f"recency_blend_{args.tag}.json", json.dumps(result, indent=2))
     text = render(result)
     atomic_write_text(out / f"recency_blend_{args.tag}.md", text)

@@ -69,8 +69,8 @@ def measure(model, args, meta, tokenizer, records_path: Path, identity: dict, ru
                 for rule in todo:
                     metrics = per_sequence(logits_of(rule, ids, budget, start).float(), dense.float(),
                                            ids[:, start:])[0]
-                    record = {**identity, "source": source, "item": item, "rule": rule, "kl": metrics["kl"],
-                              "top1": metrics["top1_agreement"]}
+                    record = {**identity, "source": source, "item": item, "id": row["id"], "rule": rule,
+                              "kl": metrics["kl"], "top1": metrics["top1_agreement"]}
                     sink.write(json.dumps(record) + "\n")
                     sink.flush()
                     done.append(record)

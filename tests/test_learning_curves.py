@@ -329,6 +329,19 @@ def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setu
     assert result["recall"]["logprob:kvpop+1e+06-streaming"]["mean"] == pytest.approx(0, abs=1e-4)
     assert recency_blend.main([*common, "--recency", "0.01", "1e6", *recall]) == 0
     assert len(items.read_text().splitlines()) == len(records)  # all there: nothing measured again
+    # against the scorer's own study (the same held-out sequences), at the B it evaluated (s2-w8-k22)
+    study = saved.parent / "out" / "learning_curves_t.json"
+    assert recency_blend.main([*common[:-1], "at32", "--topk", "22", "--recency", "1e6", "--references-from",
+                               str(study)]) == 0
+    versus = json.loads((tmp_path / "recency_blend_at32.json").read_text())["versus_references"]
+    cell = versus[str(tiny_setup / "docs.jsonl")]
+    assert cell["streaming_here_minus_there"]["kl"] == pytest.approx(0, abs=1e-5)  # paired by sequence id
+    last = json.loads(study.read_text())["points"][-1]["summary"]["gap_closed"]
+    theirs = next(g for g in last if g["metric"] == "kl")
+    assert cell["gap:kvpop"]["mean"] == pytest.approx(theirs["estimate"], abs=1e-3)
+    assert cell["gap:kvpop+1e+06"]["mean"] == pytest.approx(0, abs=1e-3)
+    assert cell["kl:kvpop-tova"]["n"] == 0  # the study ran no TOVA
+    assert "streaming here − there" in (tmp_path / "recency_blend_at32.md").read_text()
     assert len((tmp_path / "recency_blend_t_recall.jsonl").read_text().splitlines()) == len(answers)
     capsys.readouterr()
     assert recency_blend.main([*common, "--recency", "0.01", "--topk", "4"]) == 2
