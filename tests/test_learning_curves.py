@@ -266,11 +266,15 @@ def test_references_of_a_finished_study_are_reused_only_where_measured_alike(tin
     assert len(err.splitlines()) == 1 and "eval_sequences 2 (there 3)" in err, err
 
 
-def test_other_heldout_text_under_the_same_name_is_refused(tiny_setup, home, tmp_path, capsys):
+def test_other_heldout_text_under_the_same_name_is_refused(tiny_setup, home, tmp_path, capsys, monkeypatch):
     """A corpus rebuilt under the same name (a local file rewritten, the stdlib of another Python) has other held-out
     sequences: ``--references-from`` and ``--resume`` refuse it in one line naming it; the same text is accepted."""
+    import importlib
+
     from tests.models import write_docs
 
+    # the CLI process sets HF_DATASETS_DISABLE_PROGRESS_BARS before datasets is imported; here it may be already
+    monkeypatch.setattr(importlib.import_module("datasets.utils.tqdm"), "_hf_datasets_progress_bars_disabled", True)
     other = tmp_path / "other.jsonl"
     write_docs(other, 30, seed=7, min_words=40, max_words=90)
     common = ["--checkpoints", str(TOKENS_PER_STEP), "--eval-sources", str(other)]
