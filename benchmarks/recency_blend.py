@@ -111,40 +111,14 @@ def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: d
     return [{**r, "headline": (r["task"], r["context"], r["depth"]) in good} for r in done]
 
 
-def summarize(records: list[dict], sources: list[str], rules: list[str]) -> dict:
-    """Per corpus: each rule's mean over the sequences every rule has; each λ rule minus streaming and minus the
-    scorer alone, paired."""
+def means_and_pairs(by_rule: dict[str, dict], metrics, rules: list[str]) -> dict:
+    """Over the items every rule in ``by_rule`` ({rule: {item: record}}) has: each rule's mean of each metric, and
+    each of ``rules[1:]`` minus streaming and minus the scorer alone, paired."""
     from benchmarks.bootstrap import paired_bootstrap
 
-    out = {}
-    for source in sources:
-        by_rule = {rule: {r["item"]: r for r in records if r["source"] == source and r["rule"] == rule}
-                   for rule in rules}
-        items = sorted(set.intersection(*(set(by_rule[r]) for r in rules)))
-        cell = out[source] = {"items": items}
-        for metric in ("kl", "top1"):
-            cell[metric] = {rule: sum(by_rule[rule][i][metric] for i in items) / len(items) if items else None
-                            for rule in rules}
-            for rule in rules[1:]:
-                for base in ("streaming", "kvpop"):
-                    if rule != base:
-                        cell[f"{metric}:{rule}-{base}"] = paired_bootstrap([by_rule[rule][i][metric] for i in items],
-                                                                           [by_rule[base][i][metric] for i in items])
-    return out
-
-
-def summarize_recall(records: list[dict], rules: list[str]) -> dict:
-    """Over the headline samples: each rule's exact match and gold log-probability, paired against streaming and
-    the scorer alone."""
-    from benchmarks.bootstrap import paired_bootstrap
-
-    if not records:
-        return {}
-    by_rule = {rule: {r["item"]: r for r in records if r["rule"] == rule and r["headline"]} for rule in
-               ["dense", *rules]}
     items = sorted(set.intersection(*(set(v) for v in by_rule.values())))
     out = {"items": items}
-    for metric in ("exact", "logprob"):
+    for metric in metrics:
         out[metric] = {rule: sum(by_rule[rule][i][metric] for i in items) / len(items) if items else None
                        for rule in by_rule}
         for rule in rules[1:]:
@@ -153,6 +127,21 @@ def summarize_recall(records: list[dict], rules: list[str]) -> dict:
                     out[f"{metric}:{rule}-{base}"] = paired_bootstrap([by_rule[rule][i][metric] for i in items],
                                                                       [by_rule[base][i][metric] for i in items])
     return out
+
+
+def summarize(records: list[dict], sources: list[str], rules: list[str]) -> dict:
+    """Per corpus, :func:`means_and_pairs` of KL and top-1 over the sequences every rule has."""
+    return {source: means_and_pairs({rule: {r["item"]: r for r in records if r["source"] == source and
+                                            r["rule"] == rule} for rule in rules}, ("kl", "top1"), rules)
+            for source in sources}
+
+
+def summarize_recall(records: list[dict], rules: list[str]) -> dict:
+    """Over the headline samples (dense's too): :func:`means_and_pairs` of exact match and gold log-probability."""
+    if not records:
+        return {}
+    return means_and_pairs({rule: {r["item"]: r for r in records if r["rule"] == rule and r["headline"]}
+                            for rule in ["dense", *rules]}, ("exact", "logprob"), rules)
 
 
 REFERENCE_POLICIES = ("streaming", "tova", "h2o", "oracle")
@@ -258,35 +247,20 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks.learning_curves import load_saved_scorer
-    from benchmarks.scorer_records import committed, measure, saved_scorer
+    import kvpop
+    from benchmarks.scorer_records import measure, open_records, write_result
     from kvpop import Budget
-    from kvpop.files import atomic_write_text
     from pipelines.config import ConfigError
     from pipelines.data import load_tokenizer
 
-    folder = Path(args.checkpoint)
     try:
-        meta, configs = saved_scorer(folder, args.model, args.sources, args.seq_len, args.sequences)
-    except ConfigError as err:
-        print(f"recency_blend: {err}", file=sys.stderr)
-        return 2
-    budget = {**meta["budget"], **({"topk": args.topk} if args.topk is not None else {})}
-    try:
+        meta, configs, budget, records_path, identity = open_records(args, "recency_blend", args.topk)
         references = (study_references(Path(args.references_from), args.sources, Budget(**budget).total)
                       if args.references_from else {})
-    except ValueError as err:
+    except (ConfigError, ValueError) as err:
         print(f"recency_blend: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
-    records_path = out / f"recency_blend_{args.tag}_items.jsonl"
-    identity = {"checkpoint": str(folder.resolve()), "budget": budget, "seq_len": args.seq_len}
-    try:  # what an earlier run committed is read (and refused if it is another run's) before the model loads
-        committed(records_path, identity, "records")
-    except ValueError as err:
-        print(f"recency_blend: {err}", file=sys.stderr)
-        return 2
-    import kvpop
-
     tokenizer = load_tokenizer(configs[0])
     model = load_saved_scorer(args.checkpoint, meta, configs[0], args.device)
     own = float(meta.get("recency", 0.0))
@@ -308,14 +282,12 @@ def main(argv=None) -> int:
                       logits_of, "recency_blend")
     recall = (measure_recall(model, args, budget, tokenizer, out / f"recency_blend_{args.tag}_recall.jsonl",
                              identity, rules, set_rule) if args.recall_tasks else [])
-    result = {"checkpoint": str(folder), "budget": str(Budget(**budget)), "own_recency": own, "rules": rules,
+    result = {"checkpoint": str(Path(args.checkpoint)), "budget": str(Budget(**budget)), "own_recency": own,
+              "rules": rules,
               "args": vars(args), "summary": summarize(records, args.sources, rules),
               "recall": summarize_recall(recall, rules),
               "versus_references": versus_references(records, references, rules)}
-    atomic_write_text(out / f"recency_blend_{args.tag}.json", json.dumps(result, indent=2))
-    text = render(result)
-    atomic_write_text(out / f"recency_blend_{args.tag}.md", text)
-    print(text)
+    write_result(out, f"recency_blend_{args.tag}", result, render(result))
     return 0
 
 

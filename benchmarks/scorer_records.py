@@ -37,6 +37,34 @@ def committed(path: Path, identity: dict, what: str) -> list[dict]:
     return found
 
 
+def open_records(args, name: str, topk: int | None = None) -> tuple[dict, list, dict, Path, dict]:
+    """A saved-scorer benchmark's run, checked before anything loads: ``(kvpop.json, each corpus's config, the
+    budget measured at — the scorer's, or with ``topk`` long-range slots —, <out>/<name>_<tag>_items.jsonl, the
+    identity its records carry)``; records already there of another run are refused. Bad input: ConfigError (one
+    line)."""
+    from pipelines.config import ConfigError
+
+    folder = Path(args.checkpoint)
+    meta, configs = saved_scorer(folder, args.model, args.sources, args.seq_len, args.sequences)
+    budget = {**meta["budget"], **({"topk": topk} if topk is not None else {})}
+    records_path = Path(args.out) / f"{name}_{args.tag}_items.jsonl"
+    identity = {"checkpoint": str(folder.resolve()), "budget": budget, "seq_len": args.seq_len}
+    try:
+        committed(records_path, identity, "records")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    return meta, configs, budget, records_path, identity
+
+
+def write_result(out: Path, stem: str, result: dict, text: str) -> None:
+    """``<out>/<stem>.json`` (the result) and ``.md`` (its report, also printed)."""
+    from kvpop.files import atomic_write_text
+
+    atomic_write_text(out / f"{stem}.json", json.dumps(result, indent=2))
+    atomic_write_text(out / f"{stem}.md", text)
+    print(text)
+
+
 def measure(model, args, meta, tokenizer, records_path: Path, identity: dict, rules, logits_of,
             name: str) -> list[dict]:
     """Every (corpus of ``args.sources``, sequence, rule) not yet in ``records_path``, appended as measured:

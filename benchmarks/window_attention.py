@@ -15,7 +15,6 @@ sequence, rule) goes to ``<out>/window_attention_<tag>_items.jsonl`` as it is me
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -121,36 +120,24 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks.learning_curves import load_saved_scorer
-    from benchmarks.scorer_records import committed, saved_scorer
+    from benchmarks.scorer_records import open_records, write_result
     from kvpop import Budget
-    from kvpop.files import atomic_write_text
     from pipelines.config import ConfigError
     from pipelines.data import load_tokenizer
 
-    folder = Path(args.checkpoint)
     try:
-        meta, configs = saved_scorer(folder, args.model, args.sources, args.seq_len, args.sequences)
+        meta, configs, _, records_path, identity = open_records(args, "window_attention")
     except ConfigError as err:
-        print(f"window_attention: {err}", file=sys.stderr)
-        return 2
-    out = Path(args.out)
-    records_path = out / f"window_attention_{args.tag}_items.jsonl"
-    identity = {"checkpoint": str(folder.resolve()), "budget": meta["budget"], "seq_len": args.seq_len}
-    try:  # what an earlier run committed is read (and refused if it is another run's) before the model loads
-        committed(records_path, identity, "records")
-    except ValueError as err:
         print(f"window_attention: {err}", file=sys.stderr)
         return 2
     tokenizer = load_tokenizer(configs[0])
     model = load_saved_scorer(args.checkpoint, meta, configs[0], args.device)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = measure(model, args, meta, tokenizer, records_path, identity)
-    result = {"checkpoint": str(folder), "budget": str(Budget(**meta["budget"])), "args": vars(args),
+    result = {"checkpoint": str(Path(args.checkpoint)), "budget": str(Budget(**meta["budget"])), "args": vars(args),
               "summary": summarize(records, args.sources)}
-    atomic_write_text(out / f"window_attention_{args.tag}.json", json.dumps(result, indent=2))
-    text = render(result)
-    atomic_write_text(out / f"window_attention_{args.tag}.md", text)
-    print(text)
+    write_result(out, f"window_attention_{args.tag}", result, render(result))
     return 0
 
 
