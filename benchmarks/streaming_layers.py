@@ -164,9 +164,8 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks.learning_curves import load_saved_scorer
-    from benchmarks.scorer_records import committed, saved_scorer
+    from benchmarks.scorer_records import committed, saved_scorer, write_result
     from kvpop import Budget
-    from kvpop.files import atomic_write_text
     from pipelines.config import ConfigError
     from pipelines.data import load_tokenizer
 
@@ -207,10 +206,7 @@ def main(argv=None) -> int:
                          if calibration else "given with --layers"),
               "calibration": calibration, "args": {k: v for k, v in vars(args).items()},
               "summary": summarize(records, args.sources)}
-    atomic_write_text(out / f"streaming_layers_{args.tag}.json", json.dumps(result, indent=2))
-    text = render(result)
-    atomic_write_text(out / f"streaming_layers_{args.tag}.md", text)
-    print(text)
+    write_result(out, f"streaming_layers_{args.tag}", result, render(result))
     return 0
 
 
