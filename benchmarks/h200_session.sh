@@ -4,7 +4,7 @@
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
-#    stdlib_trained recency_blend)
+#    stdlib_trained recency_blend recency_trained recency_trained256)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -126,6 +126,26 @@ run_part() {
                   --eval-topks 252 --query-power 16 --heuristics window_attention \
                   --eval-sources champ "${DOCS:-/tmp/gpu/python_docs.jsonl}" --eval-sequences 64 --recall-samples 0 \
                   --checkpoints 1e6 3e6 8e6 --tag h200_w256_qp16_stdlib ;;
+    # issue 12: the recency term in training as well (RECENCY, default λ = 0.002: METHOD §3, teacher and student rank
+    # by target / score + λ·t), the prose study's w256 β = 16 recipe otherwise, its references reused; ~13 min
+    recency_trained) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-780}" \
+                  --train-sequences 5120 --save-state "$out/recency_state" --window 256 --topk 252 --eval-topks 252 \
+                  --query-power 16 --recency "${RECENCY:-0.002}" --checkpoints 2e6 16e6 \
+                  --eval-sources stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --eval-sequences 64 \
+                  --dynamic-sequences 24 --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
+                  --recall-tasks niah_single niah_single_essay niah_multikey_2 \
+                  --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json \
+                  --tag h200_w256_qp16_recency ;;
+    # issue 12: the same at CR 93.75 %: the w128 β = 16 recipe trained at B = 512 with the recency term, evaluated at
+    # B = 256 (references reused from the CR 93.75 % prose study); ~13 min
+    recency_trained256) python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-780}" \
+                  --train-sequences 5120 --save-state "$out/recency256_state" --window 128 --topk 380 \
+                  --eval-topks 124 --query-power 16 --recency "${RECENCY:-0.002}" --checkpoints 2e6 16e6 \
+                  --eval-sources stdlib "${DOCS:-/tmp/gpu/python_docs.jsonl}" --eval-sequences 64 \
+                  --dynamic-sequences 24 --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
+                  --recall-tasks niah_single \
+                  --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_prose.json \
+                  --tag h200_w128_qp16_at256_recency ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
