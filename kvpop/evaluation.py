@@ -58,16 +58,20 @@ from kvpop.targets import teacher_pass
 
 @dataclass(frozen=True)
 class Setting:
-    """One policy at one requested budget (its total names the row; streaming turns it all into window)."""
+    """One policy at one requested budget (its total names the row; streaming turns it all into window).
+    ``recency``: the recency term (METHOD §3) the policy ranks with here; ``None``: the model's own."""
 
     policy: str
     budget: Budget | None = None
+    recency: float | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; known: {sorted(POLICIES)}")
         if (self.policy == "dense") != (self.budget is None):
             raise ValueError(f"{self.policy}: {'dense takes no budget' if self.budget else 'needs a budget'}")
+        if self.recency is not None and (self.recency < 0 or self.policy == "dense"):
+            raise ValueError(f"{self.policy}: recency must be >= 0 and needs a ranked policy, got {self.recency}")
 
     @property
     def dynamic(self) -> bool:
@@ -87,10 +91,13 @@ class Setting:
         return "dense" if self.budget is None else f"{self.policy}.B{self.budget.total}"
 
 
-def settings(policies: Sequence[str], budgets: Sequence[Budget]) -> list[Setting]:
-    """Dense once (if listed), then every other policy at every budget, budgets in the given order."""
+def settings(policies: Sequence[str], budgets: Sequence[Budget], *, kvpop_recency: float | None = None
+             ) -> list[Setting]:
+    """Dense once (if listed), then every other policy at every budget, budgets in the given order.
+    ``kvpop_recency``: the kvpop rows rank with this recency term instead of the model's own (the others keep it)."""
     out = [Setting("dense")] if "dense" in policies else []
-    return out + [Setting(p, b) for b in budgets for p in policies if p != "dense"]
+    return out + [Setting(p, b, kvpop_recency if p == "kvpop" else None)
+                  for b in budgets for p in policies if p != "dense"]
 
 
 @contextlib.contextmanager
@@ -104,7 +111,8 @@ def applied(model, setting: Setting) -> Iterator[None]:
         yield
         return
     previous = runtime.policy
-    set_policy(model, setting.policy, setting.budget)
+    set_policy(model, setting.policy, setting.budget,
+               **({} if setting.recency is None else {"recency": setting.recency}))
     try:
         yield
     finally:

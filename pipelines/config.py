@@ -277,9 +277,11 @@ class SweepConfig:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(OptionalSettings):
     """pipelines/evaluate.py: every policy × budget on held-out text, recall tasks and long generation, with 95 %
     bootstrap intervals over items and paired differences (pipelines/stats.py)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("recency",)  # came after evaluations were first recorded
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
     budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
     compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
@@ -300,6 +302,8 @@ class EvalConfig:
     baselines: dict = field(default_factory=dict)  # trained baselines as extra rows: {row name: a saved retrofitted
     #     model folder, e.g. the final_model of a train.policy=streaming or dms run}, each under its own policy on the
     #     same items; DMS (ragged) at the budget of its mean retained tokens
+    recency: float | None = None  # the kvpop rows rank by scorer + recency * t (METHOD §3) instead of the trained
+    #     model's own term; the other rows keep theirs. A static decay added at inference: the scorer is unchanged
 
     def __post_init__(self):
         _validate_eval(self)
@@ -393,6 +397,9 @@ def _validate_eval(ev: "EvalConfig") -> None:
                                                                "must be >= 1"),
         (ev.generation_prompts >= 0, "eval.generation_prompts must be >= 0 (0 = no long generation)"),
         (ev.resamples >= 100, "eval.resamples must be >= 100 (bootstrap resamples)"),
+        (ev.recency is None or ev.recency >= 0, "eval.recency must be >= 0 (or null: the trained model's own)"),
+        (ev.recency is None or "kvpop" in ev.policies, "eval.recency sets the kvpop rows' recency term: add kvpop "
+                                                        "to eval.policies"),
     ]
     for name, folder in ev.baselines.items():
         checks += [

@@ -80,6 +80,9 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
              f"{base.sink} and window {base.window} fixed, topk swept; streaming gets the same total as window",
              "top1 = top-1 agreement with dense, kl = KL(dense || policy) in nats/token, acc = token accuracy; "
              "intervals: 95% percentile bootstrap over items, paired for differences"]
+    if cfg.eval.recency is not None:
+        lines.append(f"kvpop ranks by its scorer + {cfg.eval.recency:g} * t (eval.recency, METHOD §3; trained with "
+                     f"{p.get('own_recency', 0.0):g}); the other rows keep the model's own term")
     if cfg.eval.dynamic_sequences and {"tova", "h2o"} & set(cfg.eval.policies):
         lines.append(f"tova / h2o teacher-forced on the first {cfg.eval.dynamic_sequences} sequences (paired on those)")
     if p["samples"]:
@@ -129,7 +132,7 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     settings (default every ``eval.policies`` × budget); ``metric_start``: count the text metrics from there.
     ``finished``: parts already run are taken from there (as ``prefix + part``), each part run is put there."""
     tok, ev = inputs["tokenizer"], cfg.eval
-    runs = runner.settings(ev.policies, inputs["budgets"]) if runs is None else runs
+    runs = runner.settings(ev.policies, inputs["budgets"], kvpop_recency=ev.recency) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     oracle = cfg.precompute.target_options()  # the target definition the scorer was trained on

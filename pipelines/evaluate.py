@@ -142,6 +142,8 @@ def plan(cfg: PipelineConfig) -> dict:
                 "generation": {"problems": [p.id for p in problems], "sha256": _digest(prompts),
                                "tokens": cfg.eval.generation_tokens},
                 "dynamic_sequences": cfg.eval.dynamic_sequences, "resamples": cfg.eval.resamples}
+    if cfg.eval.recency is not None:  # likewise
+        identity["kvpop_recency"] = cfg.eval.recency
     if cfg.eval.baselines:  # only when set: the keys of evaluations without baselines stay as they were
         identity["baselines"] = {}
         for name, folder in cfg.eval.baselines.items():
@@ -172,6 +174,7 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # one process, one device
     model, reference = eval_parts.load_models(cfg, p["path"], device)
     baselines = eval_parts.load_baselines(cfg, device)
+    p["own_recency"] = runtime_of(model).policy.recency
     p["occupancy"] = {name: runner.dms_occupancy(m, [torch.tensor(s["input_ids"]) for s in p["sequences"]],
                                                  batch_size=cfg.eval.batch_size)
                       for name, m in baselines.items() if runtime_of(m).policy.ragged}

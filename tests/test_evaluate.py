@@ -144,6 +144,30 @@ def test_an_interrupted_result_resumes_its_run_and_other_inputs_get_another_dire
 
 
 @pytest.mark.pretrained
+def test_eval_recency_changes_the_kvpop_rows_only(setup):
+    """eval.recency: the kvpop rows rank by scorer + λ·t (a λ that outweighs every score: streaming's records at the
+    same B), the references are the plain evaluation's, the report says so, and it is another result directory."""
+    cfg, _ = setup
+    plain_tree = {**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "task_samples": 0, "generation_prompts": 0,
+                                            "policies": ["dense", "streaming", "oracle", "kvpop"]}}
+    plain = E.run(config_from_dict(plain_tree), progress=False)
+    blended = E.run(config_from_dict({**plain_tree, "eval": {**plain_tree["eval"], "recency": 1e6}}), progress=False)
+    assert blended.output_dir != plain.output_dir
+    assert json.loads((blended.output_dir / "config.json").read_text())["kvpop_recency"] == 1e6
+    assert "kvpop ranks by its scorer + 1e+06 * t (eval.recency, METHOD §3; trained with 0)" in blended.text
+
+    def rows(result):
+        found = [json.loads(line) for line in (result.output_dir / "predictions.jsonl").read_text().splitlines()]
+        return {(r["policy"], r["B"], r["item"]): r["kl"] for r in found}
+
+    before, after = rows(plain), rows(blended)
+    assert {k: v for k, v in after.items() if k[0] != "kvpop"} == {k: v for k, v in before.items() if k[0] != "kvpop"}
+    kvpop_rows = [k for k in after if k[0] == "kvpop"]
+    assert kvpop_rows and all(after[k] == pytest.approx(after[("streaming", *k[1:])], abs=1e-6) for k in kvpop_rows)
+    assert any(after[k] != pytest.approx(before[k], abs=1e-6) for k in kvpop_rows)
+
+
+@pytest.mark.pretrained
 def test_a_run_cut_off_keeps_the_parts_it_finished(setup, monkeypatch):
     """Killed during recall, an evaluation keeps its held-out text part (``<key>.parts``); the re-run takes it
     instead of teacher-forcing again, finishes, and removes the parts folder."""

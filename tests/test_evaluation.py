@@ -184,6 +184,28 @@ def test_settings_and_errors(model):
     assert EV.cut_at_eos([4, 5], None) == [4, 5]
 
 
+def test_a_settings_recency_ranks_that_row_only_and_is_restored():
+    """``Setting.recency`` (eval.recency's rows): kvpop + λ·t for that row, the model's own term back afterwards; a λ
+    that outweighs every score is streaming at the same B (newest-wins in the long-range slots), λ = the model's own
+    is the plain row, and ``settings(kvpop_recency=)`` touches only the kvpop rows."""
+    model = kvpop.retrofit(tiny_model("llama", "gqa"), BUDGET, scorer="mlp", recency=0.25)
+    seqs = [torch.randint(1, 97, (24,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    runs = EV.settings(["streaming", "oracle", "kvpop"], [BUDGET], kvpop_recency=1e6)
+    assert [(s.policy, s.recency) for s in runs] == [("streaming", None), ("oracle", None), ("kvpop", 1e6)]
+    rows = {r["policy"]: r for r in EV.teacher_forced_items(model, seqs, runs, metric_start=0) if r["item"] == 1}
+    assert rows["kvpop"]["kl"] == pytest.approx(rows["streaming"]["kl"], abs=1e-6)
+    assert rows["kvpop"]["top1_agreement"] == rows["streaming"]["top1_agreement"]
+    assert model.kvpop_runtime.policy.recency == 0.25  # restored after the rows
+    own = EV.teacher_forced_items(model, seqs, [EV.Setting("kvpop", BUDGET)], metric_start=0)
+    same = EV.teacher_forced_items(model, seqs, [EV.Setting("kvpop", BUDGET, 0.25)], metric_start=0)
+    other = EV.teacher_forced_items(model, seqs, [EV.Setting("kvpop", BUDGET, 0.0)], metric_start=0)
+    assert [r["kl"] for r in own] == [r["kl"] for r in same] != [r["kl"] for r in other]
+    with pytest.raises(ValueError, match="recency must be >= 0"):
+        EV.Setting("kvpop", BUDGET, -0.1)
+    with pytest.raises(ValueError, match="needs a ranked policy"):
+        EV.Setting("dense", None, 0.1)
+
+
 def test_plain_reference_model_runs_dense():
     base = tiny_model("llama", "gqa")
     model = kvpop.retrofit(copy.deepcopy(base), BUDGET, scorer="mlp")

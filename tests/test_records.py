@@ -69,6 +69,24 @@ def test_query_power_is_validated_and_keys_another_target_set(tmp_path):
     assert records.train_key(other) != records.train_key(base)
 
 
+def test_eval_recency_is_validated_and_keys_only_the_evaluation_when_set(tmp_path):
+    """eval.recency (the kvpop rows' recency term at evaluation): a bad value or one without a kvpop row is one
+    ConfigError; unset, the evaluate key is the one recorded before the setting existed (b9fe1770e582e013 for this
+    config); set, it is another evaluation of the same trained model."""
+    base = _cfg(tmp_path)
+    for extra, message in (("eval.recency=-0.001", "eval.recency must be >= 0"),
+                           ("eval.policies=[dense,streaming]", "eval.recency sets the kvpop rows' recency term")):
+        with pytest.raises(ConfigError, match=message):
+            _cfg(tmp_path, "eval.recency=0.001", extra)
+    assert _cfg(tmp_path, "eval.recency=null").eval.recency is None
+    assert records.evaluate_key(load_config(None, ["home=/tmp/h", "model.path=/nowhere/teacher"])) == \
+        "b9fe1770e582e013"
+    assert records.evaluate_key(_cfg(tmp_path, "eval.recency=null")) == records.evaluate_key(base)
+    blended = _cfg(tmp_path, "eval.recency=0.001")
+    assert blended.eval.recency == 0.001 and records.evaluate_key(blended) != records.evaluate_key(base)
+    assert records.train_key(blended) == records.train_key(base)
+
+
 def test_the_trained_model_is_found_from_the_record_alone(tmp_path, monkeypatch):
     """Train's record names the model for the train stage's readers and for evaluate, without a tokenizer or a
     weight hash (both patched to fail)."""
