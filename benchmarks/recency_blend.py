@@ -12,8 +12,10 @@ keeps the same B. One record per (corpus, sequence, rule) goes to ``<out>/recenc
 measured; a re-run skips what is there (records of another checkpoint or budget are refused in one line before
 anything loads). ``--recall-tasks``: the recall cells too (the evaluation stage's recall part). ``--references-from
 STUDY.json``: a learning-curves study of the same held-out sequences (a record carries its sequence's id) lends its
-TOVA, H2O and oracle records — each rule minus TOVA / H2O, and the KL gap to the oracle it closes. Choose λ on some
-corpora and read it on one it was not chosen on. Writes ``<out>/recency_blend_<tag>.{json,md}``.
+TOVA, H2O and oracle records — each rule minus TOVA / H2O, and the KL gap to the oracle it closes. ``--oracle``: the
+oracle (the teacher's targets of ``--query-power`` as priorities) with and without each λ as rules too — does the
+reference itself gain from a decay? Choose λ on some corpora and read it on one it was not chosen on. Writes
+``<out>/recency_blend_<tag>.{json,md}``.
 """
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--recall-min-dense", type=float, default=0.9, help="headline cells: dense exact match >= this")
     p.add_argument("--references-from", metavar="JSON", default="", help="a finished learning-curves study on the "
                    "same held-out sequences: its TOVA, H2O and oracle records there are paired with these by sequence")
+    p.add_argument("--oracle", action="store_true", help="also the oracle and the oracle + each λ (rules oracle, "
+                   "oracle+λ; held-out text only): the teacher's targets as priorities, computed here per sequence")
+    p.add_argument("--query-power", type=float, default=16.0, help="β of the oracle's targets (the committed "
+                   "scorers': 16)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tag", default="cpu")
@@ -59,8 +65,11 @@ def rule_name(recency: float) -> str:
 
 
 def rules_of(args) -> list[str]:
-    """streaming, the scorer alone, and the scorer with each added λ (in the given order, without repeats)."""
-    return list(dict.fromkeys(["streaming", "kvpop", *(rule_name(x) for x in args.recency if x > 0)]))
+    """streaming, the scorer alone, and the scorer with each added λ (in the given order, without repeats); with
+    ``--oracle`` the oracle alone and with each λ after them."""
+    added = [x for x in args.recency if x > 0]
+    oracle = ["oracle", *(f"oracle+{x:g}" for x in added)] if args.oracle else []
+    return list(dict.fromkeys(["streaming", "kvpop", *(rule_name(x) for x in added), *oracle]))
 
 
 def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: dict, rules: list[str],
@@ -111,9 +120,14 @@ def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: d
     return [{**r, "headline": (r["task"], r["context"], r["depth"]) in good} for r in done]
 
 
+def alone(rule: str) -> str:
+    """What a rule is compared with besides streaming: the oracle for oracle + λ, else the scorer alone."""
+    return "oracle" if rule.startswith("oracle+") else "kvpop"
+
+
 def means_and_pairs(by_rule: dict[str, dict], metrics, rules: list[str]) -> dict:
     """Over the items every rule in ``by_rule`` ({rule: {item: record}}) has: each rule's mean of each metric, and
-    each of ``rules[1:]`` minus streaming and minus the scorer alone, paired."""
+    each of ``rules[1:]`` minus streaming and minus :func:`alone`'s rule, paired."""
     from benchmarks.bootstrap import paired_bootstrap
 
     items = sorted(set.intersection(*(set(v) for v in by_rule.values())))
@@ -122,7 +136,7 @@ def means_and_pairs(by_rule: dict[str, dict], metrics, rules: list[str]) -> dict
         out[metric] = {rule: sum(by_rule[rule][i][metric] for i in items) / len(items) if items else None
                        for rule in by_rule}
         for rule in rules[1:]:
-            for base in ("streaming", "kvpop"):
+            for base in ("streaming", alone(rule)):
                 if rule != base:
                     out[f"{metric}:{rule}-{base}"] = paired_bootstrap([by_rule[rule][i][metric] for i in items],
                                                                       [by_rule[base][i][metric] for i in items])
@@ -206,13 +220,14 @@ def render(result: dict) -> str:
              "kvpop+λ ranks by the scorer's output + λ·t (λ added to the scorer's own, METHOD §3). Means over the "
              "sequences every rule has; 95 % paired bootstrap intervals (* where they exclude 0). KL: lower is "
              "better; top-1: higher.", "",
-             "| corpus | n | metric | rule | mean | − streaming | − kvpop |", "|---|---|---|---|---|---|---|"]
+             "| corpus | n | metric | rule | mean | − streaming | − kvpop (oracle + λ: − oracle) |",
+             "|---|---|---|---|---|---|---|"]
     for source, cell in result["summary"].items():
         if not cell["items"]:
             continue
         for metric in ("kl", "top1"):
             for rule in rules:
-                diffs = [cell.get(f"{metric}:{rule}-{base}") for base in ("streaming", "kvpop")]
+                diffs = [cell.get(f"{metric}:{rule}-{base}") for base in ("streaming", alone(rule))]
                 lines.append(f"| {source} | {len(cell['items'])} | {metric} | {rule} | {cell[metric][rule]:.4f} | " +
                              " | ".join(format_interval(d, 4) if d else "–" for d in diffs) + " |")
     versus = result.get("versus_references") or {}
@@ -268,24 +283,36 @@ def main(argv=None) -> int:
 
     def set_rule(rule, at=Budget(**budget)) -> str:
         """Put the model in ``rule`` (its recency stays on the model for a later set_policy); its policy name."""
-        policy = "streaming" if rule == "streaming" else "kvpop"
-        added = float(rule.removeprefix("kvpop+")) if rule.startswith("kvpop+") else 0.0
-        kvpop.set_policy(model, policy, at, recency=0.0 if policy == "streaming" else own + added)
+        policy, _, added = rule.partition("+")
+        recency = {"streaming": 0.0, "oracle": 0.0, "kvpop": own}[policy] + float(added or 0)
+        kvpop.set_policy(model, policy, at, recency=recency)
         return policy
 
+    targets = {}  # the oracle's priorities of the sequence being measured (one teacher pass for its oracle rules)
+
     def logits_of(rule, ids, at, start):
-        set_rule(rule, at)
-        return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
+        from kvpop.evaluation import teacher_targets
+
+        if set_rule(rule, at) != "oracle":
+            return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
+        if targets.get("ids") is not ids:
+            kvpop.set_policy(model, "dense")
+            targets.update(ids=ids, table=teacher_targets(model, ids, [at.window], query_power=args.query_power)[
+                at.window])
+            set_rule(rule, at)
+        with kvpop.oracle_priorities(model, targets["table"]):
+            return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
 
     out.mkdir(parents=True, exist_ok=True)
     records = measure(model, args, {**meta, "budget": budget}, tokenizer, records_path, identity, lambda item: rules,
                       logits_of, "recency_blend")
+    recall_rules = [r for r in rules if not r.startswith("oracle")]  # the oracle rules: held-out text only
     recall = (measure_recall(model, args, budget, tokenizer, out / f"recency_blend_{args.tag}_recall.jsonl",
-                             identity, rules, set_rule) if args.recall_tasks else [])
+                             identity, recall_rules, set_rule) if args.recall_tasks else [])
     result = {"checkpoint": str(Path(args.checkpoint)), "budget": str(Budget(**budget)), "own_recency": own,
               "rules": rules,
               "args": vars(args), "summary": summarize(records, args.sources, rules),
-              "recall": summarize_recall(recall, rules),
+              "recall": summarize_recall(recall, recall_rules),
               "versus_references": versus_references(records, references, rules)}
     write_result(out, f"recency_blend_{args.tag}", result, render(result))
     return 0

@@ -346,6 +346,16 @@ def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setu
     assert cell["gap:kvpop+1e+06"]["mean"] == pytest.approx(0, abs=1e-3)
     assert cell["kl:kvpop-tova"]["n"] == 0  # the study ran no TOVA
     assert "streaming here − there" in (tmp_path / "recency_blend_at32.md").read_text()
+    # --oracle: the oracle computed here is the study's (all of its gap), and one that outweighs every target streaming
+    assert recency_blend.main([*common[:-1], "or32", "--topk", "22", "--recency", "1e6", "--oracle", "--query-power",
+                               "1", "--references-from", str(study)]) == 0
+    oracle = json.loads((tmp_path / "recency_blend_or32.json").read_text())
+    assert oracle["rules"] == ["streaming", "kvpop", "kvpop+1e+06", "oracle", "oracle+1e+06"]
+    cell = oracle["versus_references"][str(tiny_setup / "docs.jsonl")]
+    assert cell["gap:oracle"]["mean"] == pytest.approx(1, abs=1e-3)
+    assert cell["gap:oracle+1e+06"]["mean"] == pytest.approx(0, abs=1e-3)
+    kl = oracle["summary"][str(tiny_setup / "docs.jsonl")]
+    assert kl["kl:oracle+1e+06-oracle"]["mean"] == pytest.approx(kl["kl"]["streaming"] - kl["kl"]["oracle"], abs=1e-5)
     assert len((tmp_path / "recency_blend_t_recall.jsonl").read_text().splitlines()) == len(answers)
     capsys.readouterr()
     assert recency_blend.main([*common, "--recency", "0.01", "--topk", "4"]) == 2
