@@ -142,9 +142,9 @@ def plan(cfg: PipelineConfig) -> dict:
                 "generation": {"problems": [p.id for p in problems], "sha256": _digest(prompts),
                                "tokens": cfg.eval.generation_tokens},
                 "dynamic_sequences": cfg.eval.dynamic_sequences, "resamples": cfg.eval.resamples}
-    if cfg.eval.recency is not None:  # likewise
+    if cfg.eval.recency is not None:  # only when set: the keys of evaluations without it stay as they were
         identity["kvpop_recency"] = cfg.eval.recency
-    if cfg.eval.baselines:  # only when set: the keys of evaluations without baselines stay as they were
+    if cfg.eval.baselines:  # likewise
         identity["baselines"] = {}
         for name, folder in cfg.eval.baselines.items():
             where = eval_parts.baseline_path(name, folder)
