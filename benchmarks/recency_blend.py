@@ -60,27 +60,28 @@ def parse_args(argv=None):
     return args
 
 
-def rule_name(recency: float) -> str:
-    return f"kvpop+{recency:g}"
+def rule_name(policy: str, recency: float) -> str:
+    """``policy+λ`` (what ``setting_of`` in :func:`main` reads back)."""
+    return f"{policy}+{recency:g}"
 
 
 def rules_of(args) -> list[str]:
     """streaming, the scorer alone, and the scorer with each added λ (in the given order, without repeats); with
     ``--oracle`` the oracle alone and with each λ after them."""
     added = [x for x in args.recency if x > 0]
-    oracle = ["oracle", *(f"oracle+{x:g}" for x in added)] if args.oracle else []
-    return list(dict.fromkeys(["streaming", "kvpop", *(rule_name(x) for x in added), *oracle]))
+    oracle = ["oracle", *(rule_name("oracle", x) for x in added)] if args.oracle else []
+    return list(dict.fromkeys(["streaming", "kvpop", *(rule_name("kvpop", x) for x in added), *oracle]))
 
 
 def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: dict, rules: list[str],
-                   set_rule) -> list[dict]:
+                   setting_of) -> list[dict]:
     """Every rule's greedy answers to the recall samples not yet in ``path`` (the evaluation stage's recall part),
     appended per rule: exact match and the gold answer's log-probability per sample (dense's kept once, as the rule
-    ``dense``); ``headline``: the sample's cell is one where dense reaches ``--recall-min-dense``."""
+    ``dense``); ``headline``: the sample's cell is one where dense reaches ``--recall-min-dense``. ``setting_of``:
+    a rule's evaluation setting."""
     import kvpop
     from benchmarks.learning_curves import corpus_config, evaluate_records
     from benchmarks.scorer_records import committed
-    from kvpop.evaluation import Setting
     from kvpop.pretrained import read_model_config
     from pipelines.eval_parts import recall_samples
 
@@ -100,7 +101,7 @@ def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: d
     keep = ("item", "task", "context", "depth", "exact", "logprob", "text")
     with path.open("a") as sink:
         for rule in [r for r in rules if r not in have]:
-            setting = Setting(set_rule(rule), kvpop.Budget(**budget))  # the rule's recency now set on the model
+            setting = setting_of(rule)
             found = [r for r in evaluate_records(cfg, inputs, model, [setting]) if r["part"] == "recall"]
             for name, policy in ((rule, setting.policy), *((("dense", "dense"),) if "dense" not in have else ())):
                 rows = [r for r in found if r["policy"] == policy]  # dense answers with every rule: kept once
@@ -262,9 +263,9 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks.learning_curves import load_saved_scorer
-    import kvpop
     from benchmarks.scorer_records import measure, open_records, write_result
     from kvpop import Budget
+    from kvpop.evaluation import Setting, forced_logits, teacher_targets
     from pipelines.config import ConfigError
     from pipelines.data import load_tokenizer
 
@@ -281,34 +282,28 @@ def main(argv=None) -> int:
     own = float(meta.get("recency", 0.0))
     rules = rules_of(args)
 
-    def set_rule(rule, at=Budget(**budget)) -> str:
-        """Put the model in ``rule`` (its recency stays on the model for a later set_policy); its policy name."""
+    def setting_of(rule, at=Budget(**budget)) -> Setting:
+        """The evaluation setting of ``rule``: its policy, ranked with its base λ (the scorer's own for kvpop) plus
+        the λ it names."""
         policy, _, added = rule.partition("+")
-        recency = {"streaming": 0.0, "oracle": 0.0, "kvpop": own}[policy] + float(added or 0)
-        kvpop.set_policy(model, policy, at, recency=recency)
-        return policy
+        return Setting(policy, at, {"streaming": 0.0, "oracle": 0.0, "kvpop": own}[policy] + float(added or 0))
 
     targets = {}  # the oracle's priorities of the sequence being measured (one teacher pass for its oracle rules)
 
     def logits_of(rule, ids, at, start):
-        from kvpop.evaluation import teacher_targets
-
-        if set_rule(rule, at) != "oracle":
-            return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
-        if targets.get("ids") is not ids:
-            kvpop.set_policy(model, "dense")
+        setting = setting_of(rule, at)
+        if setting.policy == "oracle" and targets.get("ids") is not ids:  # the model is dense between rules
             targets.update(ids=ids, table=teacher_targets(model, ids, [at.window], query_power=args.query_power)[
                 at.window])
-            set_rule(rule, at)
-        with kvpop.oracle_priorities(model, targets["table"]):
-            return model(input_ids=ids, use_cache=False, logits_to_keep=ids.shape[1] - start).logits
+        table = targets["table"] if setting.policy == "oracle" else None
+        return forced_logits(model, setting, ids, targets=table, start=start)
 
     out.mkdir(parents=True, exist_ok=True)
     records = measure(model, args, {**meta, "budget": budget}, tokenizer, records_path, identity, lambda item: rules,
                       logits_of, "recency_blend")
     recall_rules = [r for r in rules if not r.startswith("oracle")]  # the oracle rules: held-out text only
     recall = (measure_recall(model, args, budget, tokenizer, out / f"recency_blend_{args.tag}_recall.jsonl",
-                             identity, recall_rules, set_rule) if args.recall_tasks else [])
+                             identity, recall_rules, setting_of) if args.recall_tasks else [])
     result = {"checkpoint": str(Path(args.checkpoint)), "budget": str(Budget(**budget)), "own_recency": own,
               "rules": rules,
               "args": vars(args), "summary": summarize(records, args.sources, rules),
