@@ -4,7 +4,7 @@
 #   bash benchmarks/h200_session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
-#    stdlib_trained recency_blend recency_trained recency_trained256)
+#    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -146,6 +146,47 @@ run_part() {
                   --recall-tasks niah_single \
                   --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_prose.json \
                   --tag h200_w128_qp16_at256_recency ;;
+    # issue 12: anchor slots (METHOD §1) — each λ with a share of the topk slots ranked by the scorer alone (or with
+    # a small λa) beside the decayed rest — for the committed w256 scorer at B = 512 on champ and stdlib, the recall
+    # cells at 2k; the committed records and recall answers of part recency_blend are reused (the same items: the
+    # held-out digests are checked against the recency study's), only the anchored rules are measured; ~6 min
+    anchors)    mkdir -p "$out/rb512" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/rb512" && \
+                  grep -v '"source": "/tmp/gpu/python_docs.jsonl"' benchmarks/results/recency_blend_h200_w256_qp16_items.jsonl \
+                  > "$out/recency_blend_h200_w256_qp16_anchors_items.jsonl" && \
+                  cp benchmarks/results/recency_blend_h200_w256_qp16_recall.jsonl \
+                  "$out/recency_blend_h200_w256_qp16_anchors_recall.jsonl" && \
+                  python benchmarks/recency_blend.py --checkpoint "$out/rb512/step-0000670" --device cuda \
+                  --sources champ stdlib --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 --anchors 0.25 0.5 \
+                  --anchor-recency 0 0.0003} --recall-tasks niah_single niah_single_essay niah_multikey_2 \
+                  --recall-samples 8 --tag h200_w256_qp16_anchors --out "$out" \
+                  --references-from benchmarks/results/learning_curves_h200_w256_qp16_recency.json ;;
+    # the same at B = 256 (CR 93.75 %) for the committed w128 scorer (trained at B = 512), niah_single; ~6 min
+    anchors256) mkdir -p "$out/rb256" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w128_qp16_at256_scorer.tgz -C "$out/rb256" && \
+                  grep -v '"source": "/tmp/gpu/python_docs.jsonl"' \
+                  benchmarks/results/recency_blend_h200_w128_qp16_at256_items.jsonl \
+                  > "$out/recency_blend_h200_w128_qp16_at256_anchors_items.jsonl" && \
+                  cp benchmarks/results/recency_blend_h200_w128_qp16_at256_recall.jsonl \
+                  "$out/recency_blend_h200_w128_qp16_at256_anchors_recall.jsonl" && \
+                  python benchmarks/recency_blend.py --checkpoint "$(ls -d "$out"/rb256/step-*)" --topk 124 \
+                  --device cuda --sources champ stdlib --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 \
+                  --anchors 0.25 0.5 --anchor-recency 0 0.0003} --recall-tasks niah_single --recall-samples 8 \
+                  --tag h200_w128_qp16_at256_anchors --out "$out" \
+                  --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_recency.json ;;
+    # the Python docs as Debian ships them now (DOCS_NEW: benchmarks/python_docs_corpus.py's file of today's
+    # python3.11-doc; the committed docs records are of an earlier file, which no longer builds): every rule and the
+    # oracle measured here (the KL gap against it), both scorers, no TOVA / H2O; ~8 min side by side
+    anchors_docs) mkdir -p "$out/rb512" "$out/rb256" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/rb512" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w128_qp16_at256_scorer.tgz -C "$out/rb256" && \
+                  { python benchmarks/recency_blend.py --checkpoint "$out/rb512/step-0000670" --device cuda \
+                    --sources "${DOCS_NEW:?}" --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 --anchors 0.25 0.5 \
+                    --anchor-recency 0 0.0003} --oracle --tag h200_w256_qp16_anchors_docs --out "$out" &
+                  python benchmarks/recency_blend.py --checkpoint "$(ls -d "$out"/rb256/step-*)" --topk 124 \
+                    --device cuda --sources "${DOCS_NEW:?}" --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 \
+                    --anchors 0.25 0.5 --anchor-recency 0 0.0003} --oracle --tag h200_w128_qp16_at256_anchors_docs \
+                    --out "$out"; wait; } ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -14,12 +14,14 @@ anything loads). ``--recall-tasks``: the recall cells too (the evaluation stage'
 STUDY.json``: a learning-curves study of the same held-out sequences (a record carries its sequence's id) lends its
 TOVA, H2O and oracle records — each rule minus TOVA / H2O, and the KL gap to the oracle it closes. ``--oracle``: the
 oracle (the teacher's targets of ``--query-power`` as priorities) with and without each λ as rules too — does the
-reference itself gain from a decay? Choose λ on some corpora and read it on one it was not chosen on. Writes
-``<out>/recency_blend_<tag>.{json,md}``.
+reference itself gain from a decay? ``--anchors SHARE …``: each λ also with anchor slots (METHOD §1) — that share of
+the long-range slots ranked by the scorer + the scorer's own λ plus each ``--anchor-recency`` instead (rule
+``kvpop+λ@aSHARE[+λa]``), so that a token the scorer rates highly survives the decay that ranks the other slots;
+each such rule is also paired with ``kvpop+λ``, what the anchors cost or add. Choose λ on some corpora and read it on
+one it was not chosen on. Writes ``<out>/recency_blend_<tag>.{json,md}``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,12 +32,19 @@ if str(REPO) not in sys.path:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="recency_blend", description=__doc__.split("\n\n")[0])
+    from jobs._cli import bare_parser  # a bad command line: one line and exit code 2; the CLI process's environment
+
+    p = bare_parser("recency_blend", __doc__.split("\n\n")[0])
+    p.prog = "benchmarks/recency_blend.py"
     p.add_argument("--checkpoint", required=True, help="a scorer folder (kvpop.json + kvpop_scorers.safetensors)")
     p.add_argument("--model", default="smollm2", help="its base: smollm2 or a local HF folder")
     p.add_argument("--sources", nargs="+", default=["champ", "stdlib"], help="held-out corpora (data.source values)")
     p.add_argument("--sequences", type=int, default=16, help="held-out sequences per corpus")
     p.add_argument("--recency", type=float, nargs="+", required=True, help="λ values added to the scorer's own")
+    p.add_argument("--anchors", type=float, nargs="*", default=[], help="anchor shares of the topk slots: each λ "
+                   "rule also with anchor slots (rules kvpop+λ@aSHARE[+λa])")
+    p.add_argument("--anchor-recency", type=float, nargs="+", default=[0.0], help="the anchors' λ added to the "
+                   "scorer's own (default 0: the scorer alone ranks them)")
     p.add_argument("--topk", type=int, default=None, help="long-range slots to evaluate at (default: the scorer's)")
     p.add_argument("--recall-tasks", nargs="*", default=[], help="recall tasks (pipelines.recall names; none: no "
                    "recall part), at the first corpus's config")
@@ -57,20 +66,41 @@ def parse_args(argv=None):
     if args.sequences < 1 or any(x < 0 for x in args.recency) or (args.topk is not None and args.topk < 0) or \
             args.recall_samples < 1:
         p.error("--sequences and --recall-samples must be >= 1, --recency values and --topk >= 0")
+    if any(not 0 < x <= 1 for x in args.anchors) or any(x < 0 for x in args.anchor_recency):
+        p.error("--anchors are shares in (0, 1], --anchor-recency values >= 0")
     return args
 
 
-def rule_name(policy: str, recency: float) -> str:
-    """``policy+λ`` (what ``setting_of`` in :func:`main` reads back)."""
-    return f"{policy}+{recency:g}"
+def rule_name(policy: str, recency: float, anchors: float = 0.0, anchor_recency: float = 0.0) -> str:
+    """``policy+λ``, with anchor slots ``policy+λ@aSHARE`` or ``policy+λ@aSHARE+λa`` (:func:`rule_setting` reads it
+    back)."""
+    name = f"{policy}+{recency:g}"
+    if anchors:
+        name += f"@a{anchors:g}" + (f"+{anchor_recency:g}" if anchor_recency else "")
+    return name
+
+
+def rule_setting(rule: str, budget, own: float):
+    """The evaluation setting of ``rule`` at ``budget``: its policy ranked with its base λ (``own``, the scorer's, for
+    kvpop) plus the λ it names, and its anchor slots ranked with ``own`` plus theirs."""
+    from kvpop.evaluation import Setting
+
+    head, _, anchored = rule.partition("@")
+    policy, _, added = head.partition("+")
+    base = own if policy == "kvpop" else 0.0
+    if not anchored:
+        return Setting(policy, budget, base + float(added or 0))
+    share, _, anchor_added = anchored.removeprefix("a").partition("+")
+    return Setting(policy, budget, base + float(added or 0), float(share), base + float(anchor_added or 0))
 
 
 def rules_of(args) -> list[str]:
-    """streaming, the scorer alone, and the scorer with each added λ (in the given order, without repeats); with
-    ``--oracle`` the oracle alone and with each λ after them."""
+    """streaming, the scorer alone, and the scorer with each added λ (in the given order, without repeats), each λ
+    with each anchor share and anchor λ; with ``--oracle`` the oracle alone and with each λ after them."""
     added = [x for x in args.recency if x > 0]
+    anchored = [rule_name("kvpop", x, share, xa) for x in added for share in args.anchors for xa in args.anchor_recency]
     oracle = ["oracle", *(rule_name("oracle", x) for x in added)] if args.oracle else []
-    return list(dict.fromkeys(["streaming", "kvpop", *(rule_name("kvpop", x) for x in added), *oracle]))
+    return list(dict.fromkeys(["streaming", "kvpop", *(rule_name("kvpop", x) for x in added), *anchored, *oracle]))
 
 
 def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: dict, rules: list[str],
@@ -122,7 +152,10 @@ def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: d
 
 
 def alone(rule: str) -> str:
-    """What a rule is compared with besides streaming: the oracle for oracle + λ, else the scorer alone."""
+    """What a rule is compared with besides streaming: the oracle for oracle + λ, the same λ without anchors for an
+    anchored rule, else the scorer alone."""
+    if "@" in rule:
+        return rule.partition("@")[0]
     return "oracle" if rule.startswith("oracle+") else "kvpop"
 
 
@@ -145,10 +178,21 @@ def means_and_pairs(by_rule: dict[str, dict], metrics, rules: list[str]) -> dict
 
 
 def summarize(records: list[dict], sources: list[str], rules: list[str]) -> dict:
-    """Per corpus, :func:`means_and_pairs` of KL and top-1 over the sequences every rule has."""
-    return {source: means_and_pairs({rule: {r["item"]: r for r in records if r["source"] == source and
-                                            r["rule"] == rule} for rule in rules}, ("kl", "top1"), rules)
-            for source in sources}
+    """Per corpus, :func:`means_and_pairs` of KL and top-1 over the sequences every rule has; with the oracle among
+    the rules (``--oracle``), each kvpop rule's share of the streaming → oracle KL gap (``gap:<rule>``) too."""
+    from pipelines.stats import gap_closed
+
+    out = {}
+    for source in sources:
+        by_rule = {rule: {r["item"]: r for r in records if r["source"] == source and r["rule"] == rule}
+                   for rule in rules}
+        cell = out[source] = means_and_pairs(by_rule, ("kl", "top1"), rules)
+        if "oracle" in rules and len(cell["items"]) > 1:
+            kl = {rule: [by_rule[rule][i]["kl"] for i in cell["items"]] for rule in rules}
+            for rule in (r for r in rules if r.startswith("kvpop")):
+                g = gap_closed(kl[rule], kl["streaming"], kl["oracle"])
+                cell[f"gap:{rule}"] = {"mean": g.estimate, "low": g.lo, "high": g.hi, "n": g.n}
+    return out
 
 
 def summarize_recall(records: list[dict], rules: list[str]) -> dict:
@@ -179,6 +223,24 @@ def study_references(path: Path, sources: list[str], B: int) -> dict[str, dict[s
             out[source] = {policy: {r["item"]: r for r in rows if r["policy"] == policy}
                            for policy in REFERENCE_POLICIES}
     return out
+
+
+def check_reference_heldout(args, configs, tokenizer) -> None:
+    """One line (ConfigError) when a corpus's held-out sequences here are not those the ``--references-from`` study
+    recorded under the same name (its ``meta.heldout_sha256``, over as many sequences as here; older studies have
+    none): pairing by sequence id would pair other texts — a rebuilt local file, another Python's stdlib."""
+    if not args.references_from:
+        return
+    from benchmarks.learning_curves import check_heldout, heldout_digest
+    from pipelines.data import load_sequences
+
+    meta = json.loads(Path(args.references_from).read_text())["meta"]
+    saved = meta.get("heldout_sha256")
+    if not saved or meta.get("study", {}).get("eval_sequences") != args.sequences:
+        return
+    digests = {cfg.data.source: heldout_digest(load_sequences(cfg, "eval", tokenizer)) for cfg in configs
+               if cfg.data.source in saved}
+    check_heldout(f"--references-from {args.references_from}", saved, digests)
 
 
 def versus_references(records: list[dict], references: dict, rules: list[str]) -> dict:
@@ -221,16 +283,19 @@ def render(result: dict) -> str:
              "kvpop+λ ranks by the scorer's output + λ·t (λ added to the scorer's own, METHOD §3). Means over the "
              "sequences every rule has; 95 % paired bootstrap intervals (* where they exclude 0). KL: lower is "
              "better; top-1: higher.", "",
-             "| corpus | n | metric | rule | mean | − streaming | − kvpop (oracle + λ: − oracle) |",
-             "|---|---|---|---|---|---|---|"]
+             "| corpus | n | metric | rule | mean | − streaming | − kvpop (oracle + λ: − oracle; anchored: − the λ "
+             "without anchors) | KL gap closed (--oracle) |",
+             "|---|---|---|---|---|---|---|---|"]
     for source, cell in result["summary"].items():
         if not cell["items"]:
             continue
         for metric in ("kl", "top1"):
             for rule in rules:
                 diffs = [cell.get(f"{metric}:{rule}-{base}") for base in ("streaming", alone(rule))]
+                gap = cell.get(f"gap:{rule}") if metric == "kl" else None
                 lines.append(f"| {source} | {len(cell['items'])} | {metric} | {rule} | {cell[metric][rule]:.4f} | " +
-                             " | ".join(format_interval(d, 4) if d else "–" for d in diffs) + " |")
+                             " | ".join(format_interval(d, 4) if d else "–" for d in diffs) + " | " +
+                             (f"{gap['mean']:.2f} [{gap['low']:.2f}, {gap['high']:.2f}]" if gap else "–") + " |")
     versus = result.get("versus_references") or {}
     if versus:
         lines += ["", f"Against the references of `{result['args']['references_from']}` on the same sequences (TOVA / "
@@ -251,10 +316,11 @@ def render(result: dict) -> str:
     if recall.get("items"):
         lines += ["", f"Recall, headline cells (dense ≥ {result['args']['recall_min_dense']}; {len(recall['items'])} "
                   "samples): exact match and the gold answer's log-probability, 95 % paired intervals.", "",
-                  "| metric | rule | mean | − streaming | − kvpop |", "|---|---|---|---|---|"]
+                  "| metric | rule | mean | − streaming | − kvpop (anchored: − the λ without anchors) |",
+                  "|---|---|---|---|---|"]
         for metric in ("exact", "logprob"):
             for rule in ["dense", *rules]:
-                diffs = [recall.get(f"{metric}:{rule}-{base}") for base in ("streaming", "kvpop")]
+                diffs = [recall.get(f"{metric}:{rule}-{base}") for base in ("streaming", alone(rule))]
                 lines.append(f"| {metric} | {rule} | {recall[metric][rule]:.3f} | " +
                              " | ".join(format_interval(d, 3) if d else "–" for d in diffs) + " |")
     return "\n".join(lines) + "\n"
@@ -278,15 +344,17 @@ def main(argv=None) -> int:
         return 2
     out = Path(args.out)
     tokenizer = load_tokenizer(configs[0])
+    try:
+        check_reference_heldout(args, configs, tokenizer)
+    except ConfigError as err:
+        print(f"recency_blend: {err}", file=sys.stderr)
+        return 2
     model = load_saved_scorer(args.checkpoint, meta, configs[0], args.device)
     own = float(meta.get("recency", 0.0))
     rules = rules_of(args)
 
     def setting_of(rule, at=Budget(**budget)) -> Setting:
-        """The evaluation setting of ``rule``: its policy, ranked with its base λ (the scorer's own for kvpop) plus
-        the λ it names."""
-        policy, _, added = rule.partition("+")
-        return Setting(policy, at, {"streaming": 0.0, "oracle": 0.0, "kvpop": own}[policy] + float(added or 0))
+        return rule_setting(rule, at, own)
 
     targets = {}  # the oracle's priorities of the sequence being measured (one teacher pass for its oracle rules)
 

@@ -445,7 +445,6 @@ def kvpop_attention_forward(module, query, key, value, attention_mask, scaling=N
 def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     """Queries are the last ``C`` of ``N`` tokens (``C == N`` in training / prefill). Static policies only."""
     from kvpop.policies.base import LayerView
-    from kvpop.retention import eviction_positions
 
     policy = runtime.policy
     bsz, _, q_len, _ = query.shape
@@ -474,7 +473,7 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     ranked = policy.ranked(raw, positions[:, None, :])
     if runtime.collected is not None:
         runtime.collected[module.layer_idx] = ranked
-    evict = eviction_positions(ranked.detach().float(), policy.budget, positions=positions[:, None, :])
+    evict = policy.evictions(raw, positions[:, None, :])
     return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
                                kv_valid=valid[:, None], budget=policy.budget, scale=scale, backend=backend)
 

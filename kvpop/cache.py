@@ -48,7 +48,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.attention import CHUNK_BACKEND, explicit_attention, retention_attention, slot_attention
 from kvpop.policies.base import LayerView, Policy
-from kvpop.retention import eviction_positions, ranks_newer_wins, retained
+from kvpop.retention import anchored_eviction_positions, ranks_newer_wins, retained
 
 # transformers 5.24 renamed the `past_key_values` argument of forward/generate to `cache` (the old name warns until
 # 5.40 / 6.0); 5.17 knows only the old one
@@ -80,6 +80,7 @@ class Candidates(NamedTuple):
     values: torch.Tensor
     prio: torch.Tensor | None  # static policies: ranked priority (-inf until the token leaves the window)
     score: torch.Tensor | None  # dynamic policies: attention received
+    anchor: torch.Tensor | None = None  # anchor slots: what they rank by (-inf likewise)
 
 
 class KVpopLayer(CacheLayerMixin):
@@ -108,6 +109,8 @@ class KVpopLayer(CacheLayerMixin):
         self.meter.hold(self.keys.nbytes + self.values.nbytes)
         self.slot_pos = torch.full((bsz, hkv, slots), -1, dtype=torch.long, device=device)  # -1: empty
         self.slot_prio = torch.full((bsz, hkv, slots), float("-inf"), device=device)  # ranked priority
+        # anchor slots: each token's priority with the anchors' recency term, beside the ranked one
+        self.slot_anchor = self.slot_prio.clone() if self.policy.anchors else None
         self.slot_score = torch.zeros(bsz, hkv, slots, device=device) if self.policy.dynamic else None
         self.seen = torch.zeros(bsz, dtype=torch.long, device=device)  # real tokens per row
         self.scorer_state = None
@@ -130,7 +133,7 @@ class KVpopLayer(CacheLayerMixin):
         return -1
 
     def _batch_tensors(self):
-        return ["keys", "values", "slot_pos", "slot_prio", "slot_score", "seen"]
+        return ["keys", "values", "slot_pos", "slot_prio", "slot_anchor", "slot_score", "seen"]
 
     def _index_batch(self, fn):
         if not self.is_initialized:
@@ -169,7 +172,7 @@ class KVpopLayer(CacheLayerMixin):
     def nbytes(self) -> dict[str, int]:
         if not self.is_initialized:
             return {"kv": 0, "metadata": 0, "scorer_state": 0}
-        meta = [self.slot_pos, self.slot_prio, self.slot_score, self.seen]
+        meta = [self.slot_pos, self.slot_prio, self.slot_anchor, self.slot_score, self.seen]
         state = self.scorer_state or {}
         return {"kv": self.keys.nbytes + self.values.nbytes,
                 "metadata": sum(t.nbytes for t in meta if t is not None),
@@ -191,7 +194,10 @@ class KVpopLayer(CacheLayerMixin):
 
     def _filled(self) -> bool:
         """Whether every slot of every row holds a token (then, and forever after, attention needs no mask).
-        Checked on the host until it holds; never while a CUDA graph is being captured."""
+        Checked on the host until it holds; never while a CUDA graph is being captured. Never with anchor slots: where
+        their two pools come to hold the same token, a slot empties again."""
+        if self.policy.anchors:
+            return False
         if not self.full and not (self.keys.is_cuda and torch.cuda.is_current_stream_capturing()):
             self.full = bool((self.seen >= self.budget.total).all())
         return self.full
@@ -205,7 +211,7 @@ class KVpopLayer(CacheLayerMixin):
         step = _compiled_static_step() if self.runtime.compile_decode else static_step
         out, state = step(self.policy, layer, self.keys, self.values, self.slot_pos, self.slot_prio, self.seen,
                           self.scorer_state, query, key, value, valid, self.budget.sink, self.budget.window,
-                          self.budget.topk, scale, full)
+                          self.budget.topk, scale, full, self.slot_anchor)
         if self.scorer_state is None:
             self.scorer_state = state
         return out
@@ -223,13 +229,14 @@ class KVpopLayer(CacheLayerMixin):
             raise ValueError("padding after a row's first token: KVpop's cache takes left padding only")
         new_pos = self.seen[:, None] + arange - leading[:, None]  # [B, C]; padding negative
         last = (self.seen + count - 1)[:, None, None]  # the chunk's last query, per row
-        new_prio = None if self.policy.dynamic else self._leaving_priorities(layer, key_new, value_new, valid, new_pos)
-        cand = self._candidates(key_new, value_new, new_pos, valid, new_prio)
+        new_prio, new_anchor = (None, None) if self.policy.dynamic else \
+            self._leaving_priorities(layer, key_new, value_new, valid, new_pos)
+        cand = self._candidates(key_new, value_new, new_pos, valid, new_prio, new_anchor)
         if self.policy.dynamic:
             out, keep, score = _dynamic_chunk(self.policy, query, cand, self.seen, new_pos, valid, last, scale)
             cand = cand._replace(score=score)
         else:
-            evict = eviction_positions(cand.prio, self.budget, positions=cand.pos)
+            evict = anchored_eviction_positions(cand.prio, cand.anchor, self.budget, self.policy.anchors, cand.pos)
             out = retention_attention(query, cand.keys, cand.values, q_pos=new_pos, kv_pos=cand.pos, kv_evict=evict,
                                       kv_valid=cand.valid, budget=self.budget, scale=scale, backend=CHUNK_BACKEND)
             keep = cand.valid & retained(last, cand.pos, evict, self.budget)
@@ -241,22 +248,28 @@ class KVpopLayer(CacheLayerMixin):
     def _leaving_priorities(self, layer, key_new, value_new, valid, new_pos):
         """The chunk's call ``i`` makes token ``new_pos[i] - window`` leave the window and gives its priority: for a
         token of the chunk it is returned (``[B, Hkv, C]``, -inf for tokens still in the window at the chunk's end),
-        for a token in the ring it is written to its slot."""
+        for a token in the ring it is written to its slot. Returns the ranked priorities and the anchors' (``None``
+        without anchor slots)."""
         s, w = self.budget.sink, self.budget.window
         bsz, hkv, chunk, _ = key_new.shape
         raw, state = self.policy.resume(layer, key_new, value_new, valid, new_pos[:, None, :], self.scorer_state)
         self._keep_state(state)
         leaving = (new_pos - w)[:, None, :].expand(bsz, hkv, chunk)
-        prio = self.policy.ranked(raw.float(), leaving)
-        new_prio = torch.full((bsz, hkv, chunk), float("-inf"), device=key_new.device)
-        new_prio[..., :max(chunk - w, 0)] = prio[..., w:]
         from_ring = leaving[..., :w]  # distinct ring slots: at most `window` consecutive positions
         slot = s + (from_ring - s) % w
-        cached = self.slot_prio.gather(-1, slot)
-        self.slot_prio.scatter_(-1, slot, torch.where(from_ring >= s, prio[..., :w], cached))
-        return new_prio
+        out = []
+        for store, prio in ((self.slot_prio, self.policy.ranked(raw.float(), leaving)),
+                            (self.slot_anchor, self.policy.anchor_ranked(raw.float(), leaving))):
+            if store is None:
+                out.append(None)
+                continue
+            new_prio = torch.full((bsz, hkv, chunk), float("-inf"), device=key_new.device)
+            new_prio[..., :max(chunk - w, 0)] = prio[..., w:]
+            store.scatter_(-1, slot, torch.where(from_ring >= s, prio[..., :w], store.gather(-1, slot)))
+            out.append(new_prio)
+        return tuple(out)
 
-    def _candidates(self, key_new, value_new, new_pos, valid, new_prio) -> Candidates:
+    def _candidates(self, key_new, value_new, new_pos, valid, new_prio, new_anchor=None) -> Candidates:
         bsz, hkv, chunk, dim = key_new.shape
         slots = self.budget.total
         order = self.slot_pos.argsort(-1)
@@ -270,9 +283,10 @@ class KVpopLayer(CacheLayerMixin):
             kv.append(both)
         self.meter.hold(kv[0].nbytes + kv[1].nbytes)
         prio = None if new_prio is None else torch.cat([self.slot_prio.gather(-1, order), new_prio], -1)
+        anchor = None if new_anchor is None else torch.cat([self.slot_anchor.gather(-1, order), new_anchor], -1)
         score = None if self.slot_score is None else torch.cat(
             [self.slot_score.gather(-1, order), self.slot_score.new_zeros(bsz, hkv, chunk)], -1)
-        return Candidates(pos, ok, kv[0], kv[1], prio, score)
+        return Candidates(pos, ok, kv[0], kv[1], prio, score, anchor)
 
     def _store(self, cand: Candidates, keep, last) -> None:
         """Write the kept candidates into their slots (sinks at their position, the window in its ring, the
@@ -290,8 +304,9 @@ class KVpopLayer(CacheLayerMixin):
         for store, values in ((self.keys, cand.keys), (self.values, cand.values)):
             torch.gather(values, 2, source[..., None].expand(-1, -1, -1, store.shape[-1]), out=store)
         self.slot_pos.copy_(torch.where(empty, -1, cand.pos.gather(-1, source)))
-        if cand.prio is not None:
-            self.slot_prio.copy_(torch.where(empty, float("-inf"), cand.prio.gather(-1, source)))
+        for store, prio in ((self.slot_prio, cand.prio), (self.slot_anchor, cand.anchor)):
+            if prio is not None:
+                store.copy_(torch.where(empty, float("-inf"), prio.gather(-1, source)))
         if cand.score is not None:
             self.slot_score.copy_(torch.where(empty, 0.0, cand.score.gather(-1, source)))
 
@@ -381,7 +396,45 @@ def _compete(keys, values, slot_pos, slot_prio, slot_score, ring, leaving, prio,
         _put(slot_prio, target, accept, prio)
 
 
-def _insert(keys, values, slot_pos, slot_prio, slot_score, seen, ring, key, value, valid):
+def _best_by(score, pos, ok, count: int):
+    """Which entries are the ``count`` best ``ok`` ones by (score, position), ties to the newer, in any slot order."""
+    if count == 0:
+        return torch.zeros_like(ok)
+    score = torch.where(ok, score, float("-inf"))
+    by_pos = torch.where(ok, pos, -1).argsort(dim=-1, stable=True)  # not ok: the lowest of equal scores
+    order = by_pos.gather(-1, score.gather(-1, by_pos).argsort(dim=-1, stable=True))  # ascending (score, position)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device)
+                                            .expand_as(order))
+    return ok & (rank >= order.shape[-1] - count)
+
+
+def _compete_anchored(keys, values, slot_pos, slot_prio, slot_anchor, ring, leaving, prio, anchor, enters, sink,
+                      window, topk, anchors):
+    """:func:`_compete` with anchor slots: the long-range tokens and the leaving one compete in both pools (``topk -
+    anchors`` by ``slot_prio``, ``anchors`` by ``slot_anchor``); whoever neither pool keeps leaves its slot empty,
+    and the leaving token, if kept, takes the first slot not kept (there is one: at most ``topk`` of the ``topk + 1``
+    are). Exact because each pool's best are among the tokens still cached (evicted ones never return)."""
+    bsz, hkv, _ = slot_pos.shape
+    lr = sink + window
+    held = slot_pos[..., lr:] >= 0
+    pos = torch.cat([slot_pos[..., lr:], leaving[:, None, None].expand(bsz, hkv, 1)], -1)  # [B, Hkv, topk + 1]
+    ok = torch.cat([held, enters[:, None, None].expand(bsz, hkv, 1)], -1)
+    keep = _best_by(torch.cat([slot_prio[..., lr:], prio[..., None]], -1), pos, ok, topk - anchors) | \
+        _best_by(torch.cat([slot_anchor[..., lr:], anchor[..., None]], -1), pos, ok, anchors)
+    kept_slots, takes = keep[..., :-1], keep[..., -1]
+    gone = held & ~kept_slots
+    for store, empty in ((slot_pos, -1), (slot_prio, float("-inf")), (slot_anchor, float("-inf"))):
+        store[..., lr:] = torch.where(gone, empty, store[..., lr:])
+    target = lr + (~kept_slots).long().argmax(-1)  # [B, Hkv]; used only where the leaving token is kept
+    src = ring[:, None, None].expand(bsz, hkv, 1)
+    _put(keys, target, takes, keys.gather(2, src[..., None].expand(-1, -1, -1, keys.shape[-1]))[:, :, 0])
+    _put(values, target, takes, values.gather(2, src[..., None].expand(-1, -1, -1, values.shape[-1]))[:, :, 0])
+    _put(slot_pos, target, takes, leaving[:, None].expand(bsz, hkv))
+    _put(slot_prio, target, takes, prio)
+    _put(slot_anchor, target, takes, anchor)
+
+
+def _insert(keys, values, slot_pos, slot_prio, slot_score, seen, ring, key, value, valid, slot_anchor=None):
     """The new token takes its ring (or sink) slot; rows that are padding here keep everything as it was."""
     bsz, hkv, _ = key.shape
     where = valid[:, None].expand(bsz, hkv)
@@ -389,39 +442,49 @@ def _insert(keys, values, slot_pos, slot_prio, slot_score, seen, ring, key, valu
     _put(keys, slot, where, key)
     _put(values, slot, where, value)
     _put(slot_pos, slot, where, seen[:, None].expand(bsz, hkv))
-    _put(slot_prio, slot, where, torch.full((bsz, hkv), float("-inf"), device=key.device))
+    for store in (slot_prio, slot_anchor):
+        if store is not None:
+            _put(store, slot, where, torch.full((bsz, hkv), float("-inf"), device=key.device))
     if slot_score is not None:
         _put(slot_score, slot, where, torch.zeros(bsz, hkv, device=key.device))
     seen += valid.long()
 
 
 def static_slot_step(keys, values, slot_pos, slot_prio, seen, query, key, value, prio, valid, sink: int, window: int,
-                     topk: int, scale: float, full: bool = False):
+                     topk: int, scale: float, full: bool = False, slot_anchor=None, anchor=None, anchors: int = 0):
     """A static policy's decoding step: ``prio`` is the ranked priority of the token leaving the window.
-    ``full``: every slot is filled, so the attention reads the slots without a mask."""
+    ``full``: every slot is filled, so the attention reads the slots without a mask. With ``anchors`` anchor slots
+    (:func:`kvpop.retention.anchored_eviction_positions`) ``anchor`` is what they rank the leaving token by and
+    ``slot_anchor`` what they rank the held ones by."""
     pos = seen.clone()
     ring = torch.where(pos < sink, pos, sink + (pos - sink) % window)  # the new token's slot = the leaving token's
     leaving = pos - window
-    if topk > 0:
+    if anchors > 0:
+        _compete_anchored(keys, values, slot_pos, slot_prio, slot_anchor, ring, leaving, prio, anchor,
+                          valid & (leaving >= sink), sink, window, topk, anchors)
+    elif topk > 0:
         _compete(keys, values, slot_pos, slot_prio, None, ring, leaving, prio, valid & (leaving >= sink), sink, window)
-    _insert(keys, values, slot_pos, slot_prio, None, seen, ring, key, value, valid)
+    _insert(keys, values, slot_pos, slot_prio, None, seen, ring, key, value, valid, slot_anchor)
     out, _ = slot_attention(query, keys, values, None if full else slot_pos >= 0, scale=scale)
     return torch.where(valid[:, None, None, None], torch.nan_to_num(out), 0.0)
 
 
 def static_step(policy, layer, keys, values, slot_pos, slot_prio, seen, state, query, key, value, valid, sink: int,
-                window: int, topk: int, scale: float, full: bool):
+                window: int, topk: int, scale: float, full: bool, slot_anchor=None):
     """One layer's whole decoding step for a static policy — scorer step, ranking, slot bookkeeping, attention — as
     one function, so that ``torch.compile`` fuses it (``Runtime.compile_decode``). A held scorer ``state`` is updated
-    in place (a replayed CUDA graph reads and writes the same memory); returns ``(output, new state or None)``."""
+    in place (a replayed CUDA graph reads and writes the same memory); returns ``(output, new state or None)``.
+    ``slot_anchor``: the cache's anchor priorities when the policy has anchor slots."""
     raw, new_state = policy.step(layer, key, value, valid, seen, state)
     if state is not None:
         for name, tensor in new_state.items():
             state[name].copy_(tensor)
         new_state = None
-    prio = policy.ranked(raw.float(), (seen - window)[:, None])
+    leaving = (seen - window)[:, None]
+    prio = policy.ranked(raw.float(), leaving)
+    anchor = policy.anchor_ranked(raw.float(), leaving) if policy.anchors else None
     out = static_slot_step(keys, values, slot_pos, slot_prio, seen, query, key, value, prio, valid, sink, window, topk,
-                           scale, full)
+                           scale, full, slot_anchor, anchor, policy.anchors)
     return out, new_state
 
 

@@ -59,11 +59,14 @@ from kvpop.targets import teacher_pass
 @dataclass(frozen=True)
 class Setting:
     """One policy at one requested budget (its total names the row; streaming turns it all into window).
-    ``recency``: the recency term (METHOD §3) the policy ranks with here; ``None``: the model's own."""
+    ``recency``: the recency term (METHOD §3) the policy ranks with here; ``anchor_share`` / ``anchor_recency``: its
+    anchor slots (METHOD §1); ``None``: the model's own."""
 
     policy: str
     budget: Budget | None = None
     recency: float | None = None
+    anchor_share: float | None = None
+    anchor_recency: float | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -72,6 +75,14 @@ class Setting:
             raise ValueError(f"{self.policy}: {'dense takes no budget' if self.budget else 'needs a budget'}")
         if self.recency is not None and (self.recency < 0 or self.policy == "dense"):
             raise ValueError(f"{self.policy}: recency must be >= 0 and needs a ranked policy, got {self.recency}")
+        if self.policy == "dense" and self.options:
+            raise ValueError(f"dense ranks nothing: it takes no anchor slots, got {self.options}")
+
+    @property
+    def options(self) -> dict:
+        """The policy options this setting sets (the rest are the model's own)."""
+        return {name: getattr(self, name) for name in ("recency", "anchor_share", "anchor_recency")
+                if getattr(self, name) is not None}
 
     @property
     def dynamic(self) -> bool:
@@ -91,12 +102,13 @@ class Setting:
         return "dense" if self.budget is None else f"{self.policy}.B{self.budget.total}"
 
 
-def settings(policies: Sequence[str], budgets: Sequence[Budget], *, kvpop_recency: float | None = None
-             ) -> list[Setting]:
+def settings(policies: Sequence[str], budgets: Sequence[Budget], *, kvpop_recency: float | None = None,
+             kvpop_anchor_share: float | None = None, kvpop_anchor_recency: float | None = None) -> list[Setting]:
     """Dense once (if listed), then every other policy at every budget, budgets in the given order.
-    ``kvpop_recency``: the kvpop rows rank with this recency term instead of the model's own (the others keep it)."""
+    ``kvpop_recency``, ``kvpop_anchor_share``, ``kvpop_anchor_recency``: the kvpop rows rank with these instead of
+    the model's own (the others keep theirs)."""
     out = [Setting("dense")] if "dense" in policies else []
-    return out + [Setting(p, b, kvpop_recency if p == "kvpop" else None)
+    return out + [Setting(p, b, *((kvpop_recency, kvpop_anchor_share, kvpop_anchor_recency) if p == "kvpop" else ()))
                   for b in budgets for p in policies if p != "dense"]
 
 
@@ -111,8 +123,7 @@ def applied(model, setting: Setting) -> Iterator[None]:
         yield
         return
     previous = runtime.policy
-    set_policy(model, setting.policy, setting.budget,
-               **({} if setting.recency is None else {"recency": setting.recency}))
+    set_policy(model, setting.policy, setting.budget, **setting.options)
     try:
         yield
     finally:

@@ -73,6 +73,7 @@ class Objective:
         policy = runtime_of(model).policy
         if policy.budget is None:
             raise ValueError(f"the {policy.name} policy has no budget: retrofit with a budget to train")
+        policy.require_one_pool("Objective.for_model")
         return cls(policy.budget, policy.recency, **options)
 
     def __call__(self, student: torch.Tensor, teacher_targets: torch.Tensor, logits: torch.Tensor,

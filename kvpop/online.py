@@ -82,6 +82,7 @@ def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense",
     if features not in FEATURE_SOURCES:
         raise ValueError(f"features must be one of {FEATURE_SOURCES}, got {features!r}")
     policy = runtime_of(model).policy
+    policy.require_one_pool("scorer_only_step")
     keep = ("keys", "values") if features == "dense" else ()
     if features == "dense" and runtime_of(model).window_attention_prior:
         keep += ("queries",)

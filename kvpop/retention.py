@@ -11,6 +11,9 @@ How ``e`` is computed without an S×S tensor: rank the candidates ``[sink, S)`` 
 ``[sink, D]``; it never decreases in ``D``, and ``t`` is kept at ``d`` iff ``rank[t] >= theta[d - window]``. So
 ``e[t] = window + max(t, first D with theta[D] > rank[t])``: one binary search per token. ``theta`` for every
 prefix comes from a wavelet-matrix descent (one pass per bit of the rank, each O(S)), vectorised over rows.
+
+Anchor slots (two top-k pools over the same eligible tokens, each on its own static priority) keep the property:
+each pool's ``e`` is the rule above, and a token leaves the union when it has left both, ``max`` of the two.
 """
 from __future__ import annotations
 
@@ -163,6 +166,33 @@ def with_recency(priority: torch.Tensor, recency: float, positions: torch.Tensor
     if positions is None:
         positions = torch.arange(priority.shape[-1], device=priority.device)
     return priority + recency * positions.to(priority.dtype)
+
+
+def anchored_eviction_positions(ranked: torch.Tensor, anchor_ranked: torch.Tensor | None, budget: Budget,
+                                anchors: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``e`` when ``anchors`` of the ``topk`` long-range slots rank apart (METHOD §1, anchor slots).
+
+    Two pools over the same eligible tokens: ``topk - anchors`` slots keep the best by ``ranked`` (the priority with
+    the policy's recency term), ``anchors`` slots the best by ``anchor_ranked`` (the same priority with the anchors'
+    own term); a token is retained while either pool holds it. Each pool is the rule of :func:`eviction_positions`
+    on its own static priority, so each evicts a token once and for all, and so does their union:
+    ``e = max(e_main, e_anchor)``. At most ``topk`` long-range tokens are retained (fewer where the pools overlap).
+    ``anchors = 0`` is the one-pool rule (``anchor_ranked`` unused). ``positions`` as in :func:`eviction_positions`.
+    """
+    if not 0 <= anchors <= budget.topk:
+        raise ValueError(f"anchors must be in 0 … topk = {budget.topk}, got {anchors}")
+    if anchors == 0:
+        return eviction_positions(ranked, budget, positions)
+    main = eviction_positions(ranked, Budget(budget.sink, budget.window, budget.topk - anchors), positions)
+    anchor = eviction_positions(anchor_ranked, Budget(budget.sink, budget.window, anchors), positions)
+    return torch.maximum(main, anchor)
+
+
+def visible_anchored(ranked: torch.Tensor, anchor_ranked: torch.Tensor, budget: Budget, anchors: int) -> torch.Tensor:
+    """Dense reference of :func:`anchored_eviction_positions`: each pool's rule applied at every query
+    (:func:`visible`), a key visible if either pool's mask has it. For tests and small S only."""
+    main = visible(ranked, Budget(budget.sink, budget.window, budget.topk - anchors))
+    return main | visible(anchor_ranked, Budget(budget.sink, budget.window, anchors))
 
 
 def kept_counts(eviction: torch.Tensor, budget: Budget) -> torch.Tensor:

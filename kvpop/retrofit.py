@@ -95,7 +95,8 @@ def _shape(model: nn.Module) -> tuple[int, int, int, int]:
 
 
 def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlstm", policy: str | Policy = "kvpop",
-             *, recency: float = 0.0, scorer_options: dict | None = None) -> nn.Module:
+             *, recency: float = 0.0, anchor_share: float = 0.0, anchor_recency: float = 0.0,
+             scorer_options: dict | None = None) -> nn.Module:
     """Attach scorers and switch attention to KVpop, in place; returns the model.
 
     ``policy`` names one of :data:`kvpop.policies.POLICIES` (or is a Policy); ``scorer=None`` attaches none (for
@@ -108,7 +109,9 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
         if context is not None and budget.total > context:
             raise ValueError(f"budget {budget} holds {budget.total} tokens, more than the model's context of "
                              f"{context}: lower topk (or window) so that sink + window + topk <= {context}")
-    pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, recency=recency)
+    pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, recency=recency,
+                                                                 anchor_share=anchor_share,
+                                                                 anchor_recency=anchor_recency)
     if pol.name == "kvpop" and scorer is None:
         raise ValueError("the kvpop policy needs a scorer: pass scorer='mlstm', 'mlp' or 'mlstm_immediate'")
     if getattr(model, "kvpop_runtime", None) is not None:
@@ -173,11 +176,13 @@ def runtime_of(model: nn.Module) -> Runtime:
 def set_policy(model: nn.Module, policy: str | Policy, budget: Budget | None = None, **options) -> Policy:
     """Switch the policy (and budget) of a retrofitted model, e.g. to evaluate baselines at the same budget.
 
-    The recency term (METHOD §3) is the model's: it carries over unless ``recency=`` is given.
+    The recency term (METHOD §3) and the anchor slots (METHOD §1) are the model's: they carry over unless
+    ``recency=``, ``anchor_share=`` or ``anchor_recency=`` is given.
     """
     runtime = runtime_of(model)
     if not isinstance(policy, Policy) and policy != "dense":
-        options.setdefault("recency", runtime.policy.recency)
+        for name in ("recency", "anchor_share", "anchor_recency"):
+            options.setdefault(name, getattr(runtime.policy, name))
     pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, **options)
     if pol.budget is not None and runtime.scorer_spec is not None and pol.name == "kvpop":
         window = attention_modules(model)[0].kvpop_scorer.window
@@ -257,6 +262,8 @@ def _describe(model: nn.Module) -> dict:
         "policy": pol.name,
         "budget": None if budget is None else {"sink": budget.sink, "window": budget.window, "topk": budget.topk},
         "recency": pol.recency,
+        "anchor_share": pol.anchor_share,
+        "anchor_recency": pol.anchor_recency,
         "scorer": runtime.scorer_spec,
         "scorer_window": attention_modules(model)[0].kvpop_scorer.window if runtime.scorer_spec else None,
         "streaming_layers": sorted(runtime.streaming_layers),
@@ -386,7 +393,8 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     if budget is None and spec is not None:
         budget = Budget(0, meta["scorer_window"], 0)
     retrofit(model, budget, scorer=name, policy=meta["policy"] if meta["policy"] != "dense" else "dense",
-             recency=meta.get("recency", 0.0), scorer_options=spec)
+             recency=meta.get("recency", 0.0), anchor_share=meta.get("anchor_share", 0.0),
+             anchor_recency=meta.get("anchor_recency", 0.0), scorer_options=spec)
     if spec is not None or name is not None:
         load_scorers(model, path)
         set_streaming_layers(model, meta.get("streaming_layers", ()))

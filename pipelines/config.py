@@ -281,7 +281,8 @@ class EvalConfig(OptionalSettings):
     """pipelines/evaluate.py: every policy × budget on held-out text, recall tasks and long generation, with 95 %
     bootstrap intervals over items and paired differences (pipelines/stats.py)."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("recency",)  # came after evaluations were first recorded
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("recency", "anchor_share", "anchor_recency")  # came after evaluations
+    #                                      were first recorded
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
     budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
     compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
@@ -304,6 +305,9 @@ class EvalConfig(OptionalSettings):
     #     same items; DMS (ragged) at the budget of its mean retained tokens
     recency: float | None = None  # the kvpop rows rank by scorer + recency * t (METHOD §3) instead of the trained
     #     model's own term; the other rows keep theirs. A static decay added at inference: the scorer is unchanged
+    anchor_share: float | None = None  # the kvpop rows' anchor slots (METHOD §1): this share of the topk slots keeps
+    #     the best by scorer + anchor_recency * t, beside the rest ranked with `recency`; null: the model's own
+    anchor_recency: float | None = None  # the anchors' recency term; null: the model's own
 
     def __post_init__(self):
         _validate_eval(self)
@@ -400,6 +404,12 @@ def _validate_eval(ev: "EvalConfig") -> None:
         (ev.recency is None or ev.recency >= 0, "eval.recency must be >= 0 (or null: the trained model's own)"),
         (ev.recency is None or "kvpop" in ev.policies, "eval.recency sets the kvpop rows' recency term: add kvpop "
                                                         "to eval.policies"),
+        (ev.anchor_share is None or 0 <= ev.anchor_share <= 1, "eval.anchor_share must be in [0, 1] (a share of the "
+                                                               "topk slots; or null: the trained model's own)"),
+        (ev.anchor_recency is None or ev.anchor_recency >= 0, "eval.anchor_recency must be >= 0 (or null: the "
+                                                              "trained model's own)"),
+        (ev.anchor_share is None and ev.anchor_recency is None or "kvpop" in ev.policies,
+         "eval.anchor_share / eval.anchor_recency set the kvpop rows' anchor slots: add kvpop to eval.policies"),
     ]
     for name, folder in ev.baselines.items():
         checks += [

@@ -83,6 +83,12 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
     if cfg.eval.recency is not None:
         lines.append(f"kvpop ranks by its scorer + {cfg.eval.recency:g} * t (eval.recency, METHOD §3; trained with "
                      f"{p.get('own_recency', 0.0):g}); the other rows keep the model's own term")
+    if cfg.eval.anchor_share is not None or cfg.eval.anchor_recency is not None:
+        share, recency = p.get("own_anchors", (0.0, 0.0))
+        share = share if cfg.eval.anchor_share is None else cfg.eval.anchor_share
+        recency = recency if cfg.eval.anchor_recency is None else cfg.eval.anchor_recency
+        lines.append(f"kvpop's anchor slots (eval.anchor_share, METHOD §1): {share:g} of the topk slots keep the best "
+                     f"by its scorer + {recency:g} * t, beside the rest")
     if cfg.eval.dynamic_sequences and {"tova", "h2o"} & set(cfg.eval.policies):
         lines.append(f"tova / h2o teacher-forced on the first {cfg.eval.dynamic_sequences} sequences (paired on those)")
     if p["samples"]:
@@ -132,7 +138,8 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     settings (default every ``eval.policies`` × budget); ``metric_start``: count the text metrics from there.
     ``finished``: parts already run are taken from there (as ``prefix + part``), each part run is put there."""
     tok, ev = inputs["tokenizer"], cfg.eval
-    runs = runner.settings(ev.policies, inputs["budgets"], kvpop_recency=ev.recency) if runs is None else runs
+    runs = runner.settings(ev.policies, inputs["budgets"], kvpop_recency=ev.recency, kvpop_anchor_share=ev.anchor_share,
+                           kvpop_anchor_recency=ev.anchor_recency) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     oracle = cfg.precompute.target_options()  # the target definition the scorer was trained on

@@ -142,8 +142,9 @@ def plan(cfg: PipelineConfig) -> dict:
                 "generation": {"problems": [p.id for p in problems], "sha256": _digest(prompts),
                                "tokens": cfg.eval.generation_tokens},
                 "dynamic_sequences": cfg.eval.dynamic_sequences, "resamples": cfg.eval.resamples}
-    if cfg.eval.recency is not None:  # only when set: the keys of evaluations without it stay as they were
-        identity["kvpop_recency"] = cfg.eval.recency
+    for name in ("recency", "anchor_share", "anchor_recency"):  # only when set: the keys of evaluations without
+        if getattr(cfg.eval, name) is not None:                # them stay as they were
+            identity[f"kvpop_{name}"] = getattr(cfg.eval, name)
     if cfg.eval.baselines:  # likewise
         identity["baselines"] = {}
         for name, folder in cfg.eval.baselines.items():
@@ -174,7 +175,8 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # one process, one device
     model, reference = eval_parts.load_models(cfg, p["path"], device)
     baselines = eval_parts.load_baselines(cfg, device)
-    p["own_recency"] = runtime_of(model).policy.recency
+    own = runtime_of(model).policy
+    p["own_recency"], p["own_anchors"] = own.recency, (own.anchor_share, own.anchor_recency)
     p["occupancy"] = {name: runner.dms_occupancy(m, [torch.tensor(s["input_ids"]) for s in p["sequences"]],
                                                  batch_size=cfg.eval.batch_size)
                       for name, m in baselines.items() if runtime_of(m).policy.ragged}

@@ -7,6 +7,7 @@ from kvpop import Budget
 from tests.models import tiny_model
 
 BUDGET = Budget(2, 6, 5)
+ANCHORED = {"recency": 0.2, "anchor_share": 0.6, "anchor_recency": 0.0}  # 3 of 5 slots without the strong decay
 
 
 def left_padded(prompts, pad=0):
@@ -65,22 +66,39 @@ def test_memory_is_constant_and_exact(scorer):
     assert sizes[0]["scorer_state"] == scorer_state
     # metadata: int64 position + fp32 priority per slot, and one int64 counter per row
     assert sizes[0]["metadata"] == rt.num_layers * (BUDGET.total * rt.num_kv_heads * batch * 12 + batch * 8)
+    # anchor slots: one more fp32 priority per slot (the anchors'), the same constant memory
+    kvpop.set_policy(model, "kvpop", BUDGET, **ANCHORED)
+    anchored = []
+    for new_tokens in (64, 512):
+        cache = kvpop.KVpopCache(model)
+        model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                       past_key_values=cache)
+        anchored.append(cache.nbytes())
+    assert anchored[0] == anchored[1] and anchored[0]["kv"] == sizes[0]["kv"]
+    assert anchored[0]["metadata"] == rt.num_layers * (BUDGET.total * rt.num_kv_heads * batch * 16 + batch * 8)
 
 
-def test_cache_holds_exactly_the_retained_set():
-    """After a prefill the slots hold exactly what the mask retains at the last query, per head."""
-    from kvpop.retention import eviction_positions, retained
+# here the anchors carry the decay and the other slots none: the collected (ranked) priorities are then the raw ones
+@pytest.mark.parametrize("options", [{}, {"anchor_share": 0.6, "anchor_recency": 0.2}], ids=["one pool", "anchored"])
+def test_cache_holds_exactly_the_retained_set(options):
+    """After a prefill, and after decoding on from it, the slots hold exactly what the mask retains at the last
+    query, per head."""
+    from kvpop.retention import anchored_eviction_positions, retained
 
     model = tiny_model("llama", "gqa")
-    kvpop.retrofit(model, BUDGET, scorer="mlp")
+    kvpop.retrofit(model, BUDGET, scorer="mlp", **options)
     ids = torch.randint(1, 97, (1, 40))
     with kvpop.collect_priorities(model) as prios, torch.no_grad():
         model(ids, use_cache=False)
     cache = kvpop.KVpopCache(model)
     with torch.no_grad():
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids[:, :33], past_key_values=cache, use_cache=True)
+        for i in range(33, 40):  # decoding steps: the anchored ones empty a slot where the pools come to overlap
+            model(ids[:, i:i + 1], past_key_values=cache, use_cache=True)
+    policy = model.kvpop_runtime.policy
     for layer_idx, layer in enumerate(cache.layers):
-        e = eviction_positions(prios[layer_idx].float(), BUDGET)
+        raw = prios[layer_idx].float()
+        e = anchored_eviction_positions(raw, policy.anchor_ranked(raw, torch.arange(40)), BUDGET, policy.anchors)
         expect = retained(torch.tensor(39), torch.arange(40), e, BUDGET)  # [1, Hkv, 40]
         for h in range(layer.slot_pos.shape[1]):
             held = sorted(p for p in layer.slot_pos[0, h].tolist() if p >= 0)
@@ -134,12 +152,13 @@ def test_graphed_teacher_forcing_refuses_what_it_cannot_replay():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("policy", ["tova", "h2o", "kvpop", "streaming"])
+@pytest.mark.parametrize("policy", ["tova", "h2o", "kvpop", "streaming", "kvpop+anchors"])
 @pytest.mark.parametrize("prefill", [1, 9])
 def test_graphed_teacher_forcing_equals_eager_steps(policy, prefill):
     """One captured step replayed over the sequence gives the logits of launching every step from Python."""
     model = tiny_model("qwen3", "gqa", layers=3).cuda()
-    kvpop.retrofit(model, BUDGET, scorer="mlstm", policy=policy)
+    name, _, anchored = policy.partition("+")
+    kvpop.retrofit(model, BUDGET, scorer="mlstm", policy=name, **(ANCHORED if anchored else {}))
     ids = torch.randint(1, 97, (3, 60), device="cuda")
     eager = kvpop.teacher_forced_logits(model, ids, prefill=prefill)
     graphed = kvpop.teacher_forced_logits(model, ids, prefill=prefill, graphed=True)
@@ -167,7 +186,8 @@ def test_graphed_decoder_without_snapshot_keeps_its_warmup_steps():
 
 
 PADDED = [("kvpop", "mlp", 0.0), ("kvpop", "mlstm", 0.0), ("kvpop", "mlp", 0.5), ("kvpop", "mlstm", 0.5),
-          ("random", None, 0.0), ("streaming", None, 0.0), ("oracle", None, 0.0), ("oracle", None, 0.5)]
+          ("random", None, 0.0), ("streaming", None, 0.0), ("oracle", None, 0.0), ("oracle", None, 0.5),
+          ("kvpop", "mlstm", "anchored"), ("oracle", None, "anchored")]
 
 
 @pytest.mark.parametrize("policy, scorer, recency", PADDED, ids=[f"{p}-{s}-r{r}" for p, s, r in PADDED])
@@ -178,7 +198,8 @@ def test_left_padded_rows_decode_as_each_row_alone(policy, scorer, recency):
     shifts a padded row's RoPE, which attention does not see but a scorer, reading the rotated keys, does."""
     budget, new = Budget(2, 4, 6), 6
     model = tiny_model("llama", "gqa")
-    kvpop.retrofit(model, budget, scorer=scorer, policy=policy, recency=recency)
+    options = ANCHORED if recency == "anchored" else {"recency": recency}  # anchored: the oracle's ties in two pools
+    kvpop.retrofit(model, budget, scorer=scorer, policy=policy, **options)
     prompts = [torch.randint(1, 97, (n,)) for n in (5, 14, 23)]  # within B, past it; 18 columns of padding
     ids, mask = left_padded(prompts)
     rt = model.kvpop_runtime

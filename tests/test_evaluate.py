@@ -165,6 +165,15 @@ def test_eval_recency_changes_the_kvpop_rows_only(setup):
     kvpop_rows = [k for k in after if k[0] == "kvpop"]
     assert kvpop_rows and all(after[k] == pytest.approx(after[("streaming", *k[1:])], abs=1e-6) for k in kvpop_rows)
     assert any(after[k] != pytest.approx(before[k], abs=1e-6) for k in kvpop_rows)
+    # eval.anchor_share: with every slot an anchor ranked by the scorer's own term the decay is undone — the plain
+    # kvpop rows again, in another result directory whose report says so
+    anchored = E.run(config_from_dict({**plain_tree, "eval": {**plain_tree["eval"], "recency": 1e6,
+                                                              "anchor_share": 1.0}}), progress=False)
+    assert anchored.output_dir not in (plain.output_dir, blended.output_dir)
+    assert json.loads((anchored.output_dir / "config.json").read_text())["kvpop_anchor_share"] == 1.0
+    assert "kvpop's anchor slots (eval.anchor_share, METHOD §1): 1 of the topk slots keep the best by its scorer " \
+           "+ 0 * t" in anchored.text
+    assert all(v == pytest.approx(before[k], abs=1e-6) for k, v in rows(anchored).items())
 
 
 @pytest.mark.pretrained

@@ -7,8 +7,11 @@ from kvpop import Budget
 from tests.models import ARCHS, HEADS, dms_model, tiny_model
 
 STATIC = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "streaming", "random", "oracle", "dms",
-          "window_attention", "kvpop+prior:mlstm"]
+          "window_attention", "kvpop+prior:mlstm", "kvpop+anchors:mlstm", "oracle+anchors"]
 BUDGET = Budget(3, 8, 10)
+# anchor slots: half the long-range slots without the recency term that ranks the other half (METHOD §1); a strong
+# term, so that the two pools disagree and overlap over 48 tokens
+ANCHORS = {"recency": 0.1, "anchor_share": 0.5, "anchor_recency": 0.0}
 
 
 def retrofitted(arch, heads, policy, budget=BUDGET):
@@ -16,8 +19,9 @@ def retrofitted(arch, heads, policy, budget=BUDGET):
         return dms_model(arch, heads, Budget(budget.sink, budget.window, 0))
     model = tiny_model(arch, heads)
     name, _, scorer = policy.partition(":")
-    kvpop.retrofit(model, budget, scorer=scorer or "mlp", policy=name.removesuffix("+prior"))
-    kvpop.set_window_attention_prior(model, name.endswith("+prior"))  # scorer + window attention
+    base, _, variant = name.partition("+")
+    kvpop.retrofit(model, budget, scorer=scorer or "mlp", policy=base, **(ANCHORS if variant == "anchors" else {}))
+    kvpop.set_window_attention_prior(model, variant == "prior")  # scorer + window attention
     return model
 
 
@@ -109,13 +113,20 @@ def _dense_floor(model, ids, prefill):
 # kvpop's priorities come from the scorer's recurrent step in both paths (KVpop.stepwise): the parallel form agrees
 # with it to ~2e-6 (test_scorers), but SmolLM2's learned-scorer priorities have gaps as small as 1.5e-7, so a
 # ranking can flip at a near-tie — a floating-point effect, not a cache bug, and kept out of this check.
-SMOL_POLICIES = ["kvpop:stepwise", "streaming", "random", "oracle", "window_attention", "kvpop+prior:stepwise"]
+SMOL_POLICIES = ["kvpop:stepwise", "streaming", "random", "oracle", "window_attention", "kvpop+prior:stepwise",
+                 "kvpop+anchors:stepwise"]
 
 
 def _smol_policy(model, name, budget):
     policy, _, mode = name.partition(":")
-    kvpop.set_policy(model, policy.removesuffix("+prior"), budget, **({"stepwise": True} if mode else {}))
-    kvpop.set_window_attention_prior(model, policy.endswith("+prior"))
+    base, _, variant = policy.partition("+")
+    options = {"stepwise": True} if mode else {}
+    # anchors: the committed scorers' recipe at SmolLM2's scale (a decay of 0.01 per token, a quarter of the slots
+    # without it); every rule resets them, so that no other policy inherits them
+    options.update({"recency": 0.01, "anchor_share": 0.25} if variant == "anchors" else
+                   {"recency": 0.0, "anchor_share": 0.0})
+    kvpop.set_policy(model, base, budget, **options)
+    kvpop.set_window_attention_prior(model, variant == "prior")
 
 
 @pytest.mark.pretrained

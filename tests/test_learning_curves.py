@@ -299,10 +299,13 @@ def test_other_heldout_text_under_the_same_name_is_refused(tiny_setup, home, tmp
     assert not (tmp_path / "changed" / "learning_curves_t.json").exists()
 
 
-def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setup, home, saved, tmp_path, capsys):
+def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setup, home, saved, tmp_path, capsys,
+                                                                       monkeypatch):
     """``benchmarks/recency_blend.py``: λ = 0 is the scorer's own ranking, a λ that outweighs every score keeps the
     newest tokens — streaming's kept set, so streaming's numbers; a re-run measures nothing again; records of another
     budget are refused in one line."""
+    import importlib
+
     from benchmarks import recency_blend
 
     manifest = json.loads((saved / "state.json").read_text())
@@ -356,7 +359,38 @@ def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setu
     assert cell["gap:oracle+1e+06"]["mean"] == pytest.approx(0, abs=1e-3)
     kl = oracle["summary"][str(tiny_setup / "docs.jsonl")]
     assert kl["kl:oracle+1e+06-oracle"]["mean"] == pytest.approx(kl["kl"]["streaming"] - kl["kl"]["oracle"], abs=1e-5)
+    # the gap against the oracle measured here: the same as against the study's (its oracle on the same sequences)
+    assert kl["gap:kvpop"]["mean"] == pytest.approx(cell["gap:kvpop"]["mean"], abs=1e-3)
+    assert kl["gap:kvpop+1e+06"]["mean"] == pytest.approx(0, abs=1e-3)
     assert len((tmp_path / "recency_blend_t_recall.jsonl").read_text().splitlines()) == len(answers)
+    # --anchors: every slot an anchor (share 1) ranked by the scorer alone is the scorer, whatever the decay; half of
+    # them leaves the other half streaming's, so the rule lies apart from both
+    assert recency_blend.main([*common[:-1], "an", "--recency", "1e6", "--anchors", "1", "0.5", *recall]) == 0
+    anchored = json.loads((tmp_path / "recency_blend_an.json").read_text())
+    assert anchored["rules"] == ["streaming", "kvpop", "kvpop+1e+06", "kvpop+1e+06@a1", "kvpop+1e+06@a0.5"]
+    by = {(r["rule"], r["item"]): r for r in map(json.loads, (tmp_path / "recency_blend_an_items.jsonl").open())}
+    for item in range(3):
+        assert by["kvpop+1e+06@a1", item]["kl"] == pytest.approx(by["kvpop", item]["kl"], abs=1e-5)
+    assert any(abs(by["kvpop+1e+06@a0.5", i]["kl"] - by[rule, i]["kl"]) > 1e-5 for i in range(3)
+               for rule in ("kvpop", "streaming"))
+    cell = anchored["summary"][str(tiny_setup / "docs.jsonl")]
+    assert cell["kl:kvpop+1e+06@a1-kvpop+1e+06"]["mean"] == pytest.approx(
+        cell["kl"]["kvpop"] - cell["kl"]["kvpop+1e+06"], abs=1e-5)  # paired with the same λ without anchors
+    assert anchored["recall"]["logprob:kvpop+1e+06@a1-kvpop+1e+06"]["mean"] == pytest.approx(
+        anchored["recall"]["logprob"]["kvpop"] - anchored["recall"]["logprob"]["kvpop+1e+06"], abs=1e-4)
+    assert "| kvpop+1e+06@a0.5 |" in (tmp_path / "recency_blend_an.md").read_text()
+    # a study whose held-out text under this corpus's name was another: refused in one line, before the model loads
+    other = json.loads(study.read_text())
+    other["meta"]["heldout_sha256"] = {name: "0" * 64 for name in other["meta"]["heldout_sha256"]}
+    (tmp_path / "other_study.json").write_text(json.dumps(other))
+    # the CLI process sets HF_DATASETS_DISABLE_PROGRESS_BARS before datasets is imported; here it may be already
+    monkeypatch.setattr(importlib.import_module("datasets.utils.tqdm"), "_hf_datasets_progress_bars_disabled", True)
+    capsys.readouterr()
+    assert recency_blend.main([*common[:-1], "ot", "--recency", "1e6", "--references-from",
+                               str(tmp_path / "other_study.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "other held-out sequences under the same corpus name" in err, err
+    assert not (tmp_path / "recency_blend_ot_items.jsonl").exists()
     capsys.readouterr()
     assert recency_blend.main([*common, "--recency", "0.01", "--topk", "4"]) == 2
     err = capsys.readouterr().err.strip()

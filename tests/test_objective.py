@@ -77,3 +77,6 @@ def test_objective_refuses_bad_settings():
     kvpop.retrofit(model, None, scorer=None, policy="dense")
     with pytest.raises(ValueError, match="no budget"):
         Objective.for_model(model)
+    anchored = kvpop.retrofit(tiny_model("llama", "gqa"), Budget(1, 2, 8), scorer="mlp", anchor_share=0.5)
+    with pytest.raises(ValueError, match="4 anchor slots .* the retention loss does not model"):
+        Objective.for_model(anchored)  # training decides one top-k pool: anchors are set at evaluation

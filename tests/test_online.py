@@ -124,6 +124,10 @@ def test_bad_use_is_refused():
     _, model = retrofitted()
     with pytest.raises(ValueError, match="features"):
         scorer_only_step(model, ids, features="sparse")
+    kvpop.set_policy(model, "kvpop", model.kvpop_runtime.policy.budget, anchor_share=1.0)
+    with pytest.raises(ValueError, match="anchor slots"):
+        scorer_only_step(model, ids)
+    kvpop.set_policy(model, "kvpop", model.kvpop_runtime.policy.budget, anchor_share=0.0)
     with pytest.raises(ValueError, match="keep may name"):
         teacher_pass(model, ids, [6], keep=("logits",))
 

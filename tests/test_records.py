@@ -87,6 +87,25 @@ def test_eval_recency_is_validated_and_keys_only_the_evaluation_when_set(tmp_pat
     assert records.train_key(blended) == records.train_key(base)
 
 
+def test_eval_anchor_slots_are_validated_and_key_only_the_evaluation_when_set(tmp_path):
+    """eval.anchor_share / eval.anchor_recency (the kvpop rows' anchor slots): bad values or no kvpop row are one
+    ConfigError each; unset, the evaluate key is the one recorded before they existed; set, another evaluation."""
+    base = _cfg(tmp_path)
+    for extra, message in (("eval.anchor_share=1.5", "eval.anchor_share must be in"),
+                           ("eval.anchor_recency=-1", "eval.anchor_recency must be >= 0"),
+                           ("eval.policies=[dense,streaming]", "set the kvpop rows' anchor slots")):
+        with pytest.raises(ConfigError, match=message):
+            _cfg(tmp_path, "eval.anchor_share=0.25", extra)
+    assert records.evaluate_key(load_config(None, ["home=/tmp/h", "model.path=/nowhere/teacher", "eval.anchor_share=null",
+                                                   "eval.anchor_recency=null"])) == "b9fe1770e582e013"
+    anchored = _cfg(tmp_path, "eval.recency=0.002", "eval.anchor_share=0.25")
+    assert records.evaluate_key(anchored) not in (records.evaluate_key(base),
+                                                  records.evaluate_key(_cfg(tmp_path, "eval.recency=0.002")))
+    assert records.evaluate_key(_cfg(tmp_path, "eval.recency=0.002", "eval.anchor_share=0.25",
+                                     "eval.anchor_recency=0.0003")) != records.evaluate_key(anchored)
+    assert records.train_key(anchored) == records.train_key(base)
+
+
 def test_the_trained_model_is_found_from_the_record_alone(tmp_path, monkeypatch):
     """Train's record names the model for the train stage's readers and for evaluate, without a tokenizer or a
     weight hash (both patched to fail)."""

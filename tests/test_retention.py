@@ -8,8 +8,9 @@ import torch
 
 import kvpop
 from kvpop import Budget
-from kvpop.retention import (eviction_positions, kept_counts, prefix_kth_largest, ranks_newer_wins, visible,
-                             visible_from_eviction, with_recency)
+from kvpop.retention import (anchored_eviction_positions, eviction_positions, kept_counts,
+                             prefix_kth_largest, ranks_newer_wins, visible, visible_anchored, visible_from_eviction,
+                             with_recency)
 
 
 def brute_force_mask(priority: list[float], budget: Budget) -> torch.Tensor:
@@ -165,3 +166,97 @@ def test_left_padding_as_negative_positions():
     e = eviction_positions(padded, budget, positions=positions)
     assert torch.equal(e[pads:], eviction_positions(priority, budget))
     assert (e[:pads] == 30).all()
+
+
+# ---------------------------------------------------------------------------------------------- anchor slots
+def brute_force_anchored(raw: list[float], budget: Budget, anchors: int, recency: float, anchor_recency: float):
+    """Query by query: ``topk - anchors`` slots for the best by raw + recency·t, ``anchors`` for the best by raw +
+    anchor_recency·t (each by (priority, position)), a token kept if either holds it."""
+    size, (s, w, k) = len(raw), (budget.sink, budget.window, budget.topk)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for d in range(size):
+        eligible = range(s, d - w + 1)
+        main = sorted(eligible, key=lambda t: (raw[t] + recency * t, t), reverse=True)[:k - anchors]
+        anchor = sorted(eligible, key=lambda t: (raw[t] + anchor_recency * t, t), reverse=True)[:anchors]
+        for t in range(d + 1):
+            mask[d, t] = t < s or t > d - w or t in main or t in anchor
+    return mask
+
+
+def anchored_cases(n, seed=0):
+    rng = random.Random(seed)
+    edge = [(Budget(0, 1, 0), 0), (Budget(0, 3, 2), 2), (Budget(2, 1, 1), 1), (Budget(1, 50, 3), 1),
+            (Budget(3, 2, 40), 20), (Budget(0, 1, 4), 0), (Budget(0, 2, 5), 5)]
+    for i in range(n):
+        size = rng.choice([1, 2, rng.randint(4, 40)])
+        if i < len(edge):
+            budget, anchors = edge[i]
+        else:
+            budget = Budget(rng.randint(0, 4), rng.randint(1, 10), rng.randint(0, 8))
+            anchors = rng.randint(0, budget.topk)
+        # binary-fraction λ on integer priorities: every priority exact, so ties are real ties in both paths
+        recency, anchor_recency = rng.choice([(0.5, 0.0), (0.0, 0.25), (0.25, 0.25), (0.0, 0.0), (1.0, 0.125)])
+        yield size, budget, anchors, recency, anchor_recency, i % 2 == 0
+
+
+@pytest.mark.parametrize("size,budget,anchors,recency,anchor_recency,ties", list(anchored_cases(50)))
+def test_anchored_eviction_positions_match_brute_force(size, budget, anchors, recency, anchor_recency, ties):
+    torch.manual_seed(size * 100 + budget.total + anchors)
+    raw = torch.randint(0, 3, (2, size)).float() if ties else torch.randn(2, size)
+    ranked, anchor = with_recency(raw, recency), with_recency(raw, anchor_recency)
+    e = anchored_eviction_positions(ranked, anchor, budget, anchors)
+    dense = visible_anchored(ranked, anchor, budget, anchors)
+    for row in range(2):
+        mask = brute_force_anchored(raw[row].tolist(), budget, anchors, recency, anchor_recency)
+        assert torch.equal(e[row], brute_force_eviction(mask)), "an evicted token must never come back"
+        assert torch.equal(visible_from_eviction(e[row], budget), mask)
+        assert torch.equal(dense[row], mask)
+    assert (kept_counts(e, budget) <= budget.total).all()
+
+
+def test_anchor_slots_keep_an_old_strong_token_a_decay_drops():
+    """The point of the anchors: with a recency term a strong old token is outranked by newer weak ones; one anchor
+    slot ranked without it keeps the old token, while the other slots still follow the decay."""
+    raw = torch.zeros(40)
+    raw[3] = 5.0  # a needle
+    budget = Budget(1, 4, 3)
+    decayed = eviction_positions(with_recency(raw, 1.0), budget)
+    assert decayed[3] < 40  # recency 1.0 per token: five tokens later the needle has lost
+    anchored = anchored_eviction_positions(with_recency(raw, 1.0), raw, budget, 1)
+    assert anchored[3] == 40
+    kept = visible_from_eviction(anchored, budget)[-1].nonzero().flatten().tolist()
+    assert kept == [0, 3, 34, 35, 36, 37, 38, 39]  # sink, the needle, the 2 newest eligible, the window
+
+
+def test_anchored_edge_budgets():
+    ranked, anchor = torch.randn(3, 20), torch.randn(3, 20)
+    budget = Budget(2, 3, 5)
+    assert torch.equal(anchored_eviction_positions(ranked, None, budget, 0), eviction_positions(ranked, budget))
+    # all slots anchors: the rule of one pool on the anchors' priority
+    assert torch.equal(anchored_eviction_positions(ranked, anchor, budget, 5), eviction_positions(anchor, budget))
+    assert (anchored_eviction_positions(ranked, anchor, Budget(0, 25, 3), 2) == 20).all(), "window >= S: never"
+    with pytest.raises(ValueError, match="anchors"):
+        anchored_eviction_positions(ranked, anchor, budget, 6)
+    with pytest.raises(ValueError, match="anchor_share"):
+        kvpop.build_policy("kvpop", budget, anchor_share=1.5)
+    policy = kvpop.build_policy("kvpop", Budget(4, 8, 63), anchor_share=0.25)
+    assert policy.anchors == 15  # floor(0.25 * 63)
+    assert kvpop.build_policy("streaming", Budget(4, 8, 63), anchor_share=0.25).anchors == 0  # no long-range slots
+    assert kvpop.build_policy("tova", Budget(4, 8, 63), anchor_share=0.25).anchors == 0  # ranks no static priority
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_anchored_positions_subset_equals_full_sequence(seed):
+    """The cache's chunks rank candidates (retained at P-1, plus everything after): they must give the full row's e."""
+    rng = random.Random(seed)
+    size = rng.randint(2, 40)
+    budget = Budget(rng.randint(0, 3), rng.randint(1, 6), rng.randint(1, 6))
+    anchors = rng.randint(1, budget.topk)
+    ranked = torch.randint(0, 3, (size,)).float() if seed % 2 else torch.randn(size)
+    anchor = torch.randint(0, 3, (size,)).float() if seed % 2 else torch.randn(size)
+    full = anchored_eviction_positions(ranked, anchor, budget, anchors)
+    start = rng.randint(1, size)
+    mask = visible_from_eviction(full, budget)
+    keep_idx = torch.tensor([t for t in range(start) if mask[start - 1, t]] + list(range(start, size)))
+    sub = anchored_eviction_positions(ranked[keep_idx], anchor[keep_idx], budget, anchors, positions=keep_idx)
+    assert torch.equal(sub, full[keep_idx].clamp(max=int(keep_idx.max()) + 1))

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 
 from kvpop.budget import Budget
-from kvpop.retention import with_recency
+from kvpop.retention import anchored_eviction_positions, with_recency
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,9 @@ class LayerView:
 class Policy:
     budget: Budget | None
     recency: float = 0.0  # priority[t] = r[t] + recency * t (METHOD §3)
+    # anchor slots (METHOD §1): this share of the topk slots keeps the best by r[t] + anchor_recency * t instead
+    anchor_share: float = 0.0
+    anchor_recency: float = 0.0
 
     name: ClassVar[str] = "policy"
     dynamic: ClassVar[bool] = False
@@ -38,12 +41,42 @@ class Policy:
     def __post_init__(self):
         if self.budget is not None and not isinstance(self.budget, Budget):
             raise ValueError(f"{self.name}: budget must be a kvpop.Budget or None, got {self.budget!r}")
-        if self.recency < 0:
-            raise ValueError(f"{self.name}: recency must be >= 0, got {self.recency}")
+        if self.recency < 0 or self.anchor_recency < 0:
+            raise ValueError(f"{self.name}: recency and anchor_recency must be >= 0, got {self.recency}, "
+                             f"{self.anchor_recency}")
+        if not 0 <= self.anchor_share <= 1:
+            raise ValueError(f"{self.name}: anchor_share is a share of the topk slots, in [0, 1]; got "
+                             f"{self.anchor_share}")
+
+    @property
+    def anchors(self) -> int:
+        """Long-range slots ranked apart: ``floor(anchor_share * topk)``; 0 for dynamic and ragged policies, which do
+        not rank static priorities (the share carries over to them unused)."""
+        if self.budget is None or self.dynamic or self.ragged:
+            return 0
+        return int(self.anchor_share * self.budget.topk)
 
     def ranked(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Add the recency term: what the mask and the cache actually rank by."""
         return with_recency(priority, self.recency, positions)
+
+    def anchor_ranked(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """What the anchor slots rank by: the priority with their own recency term (METHOD §1)."""
+        return with_recency(priority, self.anchor_recency, positions)
+
+    def evictions(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Eviction positions of the tokens at ``positions`` from their raw priorities, under this policy's rule: one
+        pool of ``topk`` by :meth:`ranked`, or beside it the anchor slots by :meth:`anchor_ranked`."""
+        ranked = self.ranked(priority, positions).detach().float()
+        anchor = self.anchor_ranked(priority, positions).detach().float() if self.anchors else None
+        return anchored_eviction_positions(ranked, anchor, self.budget, self.anchors, positions)
+
+    def require_one_pool(self, what: str) -> None:
+        """Training's losses decide one top-k pool (METHOD §3); anchor slots are an inference rule."""
+        if self.anchors:
+            raise ValueError(f"{what}: the policy has {self.anchors} anchor slots (anchor_share "
+                             f"{self.anchor_share}), an inference rule the retention loss does not model: train with "
+                             f"anchor_share 0 and set it for evaluation")
 
 
 class StaticPolicy(Policy):
