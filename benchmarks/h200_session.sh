@@ -16,7 +16,28 @@ out=${1:?usage: h200_session.sh RESULTS_DIR [PART ...]}
 shift
 parts=${*:-gputests decode model quality decode_dense kernels}
 export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+# the anchor parts' rules (ANCHOR_RULES replaces them): a decayed pool beside anchors ranked with the recall-safe λ of
+# part recency_blend (0.001) or half of it; on CPU (4 items) anchors ranked by the scorer alone or with λa = 0.0003 at
+# a share of 0.25 / 0.5 lost recall (0.375 / 0.50 of 8 headline samples, the scorer alone 0.75)
+ANCHOR_GRID="--recency 0.003 0.01 --anchors 0.5 0.75 --anchor-recency 0.0005 0.001"
 mkdir -p "$out"
+# unpack w256 | w128: a committed champ scorer into $out/rb512 | $out/rb256, once, whichever part asks first (parts run
+# side by side: two tars into one folder race)
+unpack() {
+  local tgz folder
+  case $1 in w256) tgz=learning_curves_h200_w256_qp16_scorer.tgz folder=rb512 ;;
+             w128) tgz=learning_curves_h200_w128_qp16_at256_scorer.tgz folder=rb256 ;; esac
+  mkdir -p "$out/$folder"
+  flock "$out/.unpack.lock" sh -c "ls '$out/$folder'/step-*/kvpop.json >/dev/null 2>&1 || \
+    tar xzf benchmarks/results/checkpoints/$tgz -C '$out/$folder'"
+}
+# seed FROM TO: recency_blend_<FROM>'s committed records and recall answers as recency_blend_<TO>'s, without the docs
+# records of the earlier docs file (the anchor parts measure only what is not there)
+seed() {
+  grep -v '"source": "/tmp/gpu/python_docs.jsonl"' "benchmarks/results/recency_blend_$1_items.jsonl" \
+    > "$out/recency_blend_$2_items.jsonl" && \
+    cp "benchmarks/results/recency_blend_$1_recall.jsonl" "$out/recency_blend_$2_recall.jsonl"
+}
 run_part() {
   local part=$1
   echo "start $part $(date +%T)" >> "$out/progress.log"
@@ -146,47 +167,36 @@ run_part() {
                   --recall-tasks niah_single \
                   --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_prose.json \
                   --tag h200_w128_qp16_at256_recency ;;
-    # issue 12: anchor slots (METHOD §1) — each λ with a share of the topk slots ranked by the scorer alone (or with
-    # a small λa) beside the decayed rest — for the committed w256 scorer at B = 512 on champ and stdlib, the recall
-    # cells at 2k; the committed records and recall answers of part recency_blend are reused (the same items: the
-    # held-out digests are checked against the recency study's), only the anchored rules are measured; ~6 min
-    anchors)    mkdir -p "$out/rb512" && \
-                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/rb512" && \
-                  grep -v '"source": "/tmp/gpu/python_docs.jsonl"' benchmarks/results/recency_blend_h200_w256_qp16_items.jsonl \
-                  > "$out/recency_blend_h200_w256_qp16_anchors_items.jsonl" && \
-                  cp benchmarks/results/recency_blend_h200_w256_qp16_recall.jsonl \
-                  "$out/recency_blend_h200_w256_qp16_anchors_recall.jsonl" && \
+    # issue 12: anchor slots (METHOD §1) — each λ with a share of the topk slots ranked with a small λa beside the
+    # decayed rest — for the committed w256 scorer at B = 512 on champ and stdlib, the recall cells at 2k; part
+    # recency_blend's committed records and answers are reused (its docs records left out: see anchors_docs), so only
+    # the new rules are measured; the held-out digests are checked against the recency study's. Twelfth session: 12 min
+    # beside the other anchor parts. ANCHOR_RULES replaces the rules (e.g. "--recency 0.0007 0.0015": plain λ only),
+    # ANCHOR_TAG the tags' "anchors"
+    anchors)    unpack w256 && seed h200_w256_qp16 "h200_w256_qp16_${ANCHOR_TAG:-anchors}" && \
                   python benchmarks/recency_blend.py --checkpoint "$out/rb512/step-0000670" --device cuda \
-                  --sources champ stdlib --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 --anchors 0.25 0.5 \
-                  --anchor-recency 0 0.0003} --recall-tasks niah_single niah_single_essay niah_multikey_2 \
-                  --recall-samples 8 --tag h200_w256_qp16_anchors --out "$out" \
+                  --sources champ stdlib --sequences 64 ${ANCHOR_RULES:-$ANCHOR_GRID} \
+                  --recall-tasks niah_single niah_single_essay niah_multikey_2 --recall-samples 8 \
+                  --tag "h200_w256_qp16_${ANCHOR_TAG:-anchors}" --out "$out" \
                   --references-from benchmarks/results/learning_curves_h200_w256_qp16_recency.json ;;
-    # the same at B = 256 (CR 93.75 %) for the committed w128 scorer (trained at B = 512), niah_single; ~6 min
-    anchors256) mkdir -p "$out/rb256" && \
-                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w128_qp16_at256_scorer.tgz -C "$out/rb256" && \
-                  grep -v '"source": "/tmp/gpu/python_docs.jsonl"' \
-                  benchmarks/results/recency_blend_h200_w128_qp16_at256_items.jsonl \
-                  > "$out/recency_blend_h200_w128_qp16_at256_anchors_items.jsonl" && \
-                  cp benchmarks/results/recency_blend_h200_w128_qp16_at256_recall.jsonl \
-                  "$out/recency_blend_h200_w128_qp16_at256_anchors_recall.jsonl" && \
-                  python benchmarks/recency_blend.py --checkpoint "$(ls -d "$out"/rb256/step-*)" --topk 124 \
-                  --device cuda --sources champ stdlib --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 \
-                  --anchors 0.25 0.5 --anchor-recency 0 0.0003} --recall-tasks niah_single --recall-samples 8 \
-                  --tag h200_w128_qp16_at256_anchors --out "$out" \
-                  --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_recency.json ;;
-    # the Python docs as Debian ships them now (DOCS_NEW: benchmarks/python_docs_corpus.py's file of today's
-    # python3.11-doc; the committed docs records are of an earlier file, which no longer builds): every rule and the
-    # oracle measured here (the KL gap against it), both scorers, no TOVA / H2O; ~8 min side by side
-    anchors_docs) mkdir -p "$out/rb512" "$out/rb256" && \
-                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_scorer.tgz -C "$out/rb512" && \
-                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w128_qp16_at256_scorer.tgz -C "$out/rb256" && \
+    # the same at B = 256 (CR 93.75 %) for the committed w128 scorer (trained at B = 512), niah_single; 11 min
+    anchors256) unpack w128 && seed h200_w128_qp16_at256 "h200_w128_qp16_at256_${ANCHOR_TAG:-anchors}" && \
+                  python benchmarks/recency_blend.py --checkpoint "$out/rb256/step-0001832" --topk 124 --device cuda \
+                  --sources champ stdlib --sequences 64 ${ANCHOR_RULES:-$ANCHOR_GRID} \
+                  --recall-tasks niah_single --recall-samples 8 --tag "h200_w128_qp16_at256_${ANCHOR_TAG:-anchors}" \
+                  --out "$out" --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_recency.json ;;
+    # the Python docs from today's Debian python3.11-doc (DOCS_NEW: benchmarks/python_docs_corpus.py's file; the file
+    # behind the committed docs records no longer builds byte for byte): every rule and the oracle measured, both
+    # scorers. Twelfth session: its held-out records came out bit-identical to the committed ones (and the oracle to
+    # the recency study's), so `recency_blend.py --summarize --reference-source NEW=/tmp/gpu/python_docs.jsonl`
+    # pairs them with the study's TOVA / H2O afterwards; 9 min
+    anchors_docs) unpack w256 && unpack w128 && \
                   { python benchmarks/recency_blend.py --checkpoint "$out/rb512/step-0000670" --device cuda \
-                    --sources "${DOCS_NEW:?}" --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 --anchors 0.25 0.5 \
-                    --anchor-recency 0 0.0003} --oracle --tag h200_w256_qp16_anchors_docs --out "$out" &
-                  python benchmarks/recency_blend.py --checkpoint "$(ls -d "$out"/rb256/step-*)" --topk 124 \
-                    --device cuda --sources "${DOCS_NEW:?}" --sequences 64 ${ANCHOR_RULES:---recency 0.002 0.003 \
-                    --anchors 0.25 0.5 --anchor-recency 0 0.0003} --oracle --tag h200_w128_qp16_at256_anchors_docs \
-                    --out "$out"; wait; } ;;
+                    --sources "${DOCS_NEW:?}" --sequences 64 ${ANCHOR_RULES:-$ANCHOR_GRID} --oracle \
+                    --tag "h200_w256_qp16_${ANCHOR_TAG:-anchors}_docs" --out "$out" &
+                  python benchmarks/recency_blend.py --checkpoint "$out/rb256/step-0001832" --topk 124 \
+                    --device cuda --sources "${DOCS_NEW:?}" --sequences 64 ${ANCHOR_RULES:-$ANCHOR_GRID} --oracle \
+                    --tag "h200_w128_qp16_at256_${ANCHOR_TAG:-anchors}_docs" --out "$out"; wait; } ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -19,6 +19,11 @@ the long-range slots ranked by the scorer + the scorer's own λ plus each ``--an
 ``kvpop+λ@aSHARE[+λa]``), so that a token the scorer rates highly survives the decay that ranks the other slots;
 each such rule is also paired with ``kvpop+λ``, what the anchors cost or add. Choose λ on some corpora and read it on
 one it was not chosen on. Writes ``<out>/recency_blend_<tag>.{json,md}``.
+
+``--summarize`` writes the result from the records already committed under the tag (no model, nothing measured; a
+missing record is one line). ``--reference-source NAME=THEIRS`` pairs corpus ``NAME`` with the study's records of
+``THEIRS`` — the same held-out text under another file name (a rebuilt file): accepted only where streaming's records
+here equal the study's on every sequence both have, which deterministic evaluation gives only for the same tokens.
 """
 from __future__ import annotations
 
@@ -54,6 +59,10 @@ def parse_args(argv=None):
     p.add_argument("--recall-min-dense", type=float, default=0.9, help="headline cells: dense exact match >= this")
     p.add_argument("--references-from", metavar="JSON", default="", help="a finished learning-curves study on the "
                    "same held-out sequences: its TOVA, H2O and oracle records there are paired with these by sequence")
+    p.add_argument("--reference-source", action="append", default=[], metavar="NAME=THEIRS", help="pair corpus NAME "
+                   "with the --references-from study's corpus THEIRS (checked: streaming identical on every sequence)")
+    p.add_argument("--summarize", action="store_true", help="only write the result of the committed records (no "
+                   "model, nothing measured)")
     p.add_argument("--oracle", action="store_true", help="also the oracle and the oracle + each λ (rules oracle, "
                    "oracle+λ; held-out text only): the teacher's targets as priorities, computed here per sequence")
     p.add_argument("--query-power", type=float, default=16.0, help="β of the oracle's targets (the committed "
@@ -68,6 +77,10 @@ def parse_args(argv=None):
         p.error("--sequences and --recall-samples must be >= 1, --recency values and --topk >= 0")
     if any(not 0 < x <= 1 for x in args.anchors) or any(x < 0 for x in args.anchor_recency):
         p.error("--anchors are shares in (0, 1], --anchor-recency values >= 0")
+    bad = [a for a in args.reference_source if a.count("=") != 1 or a.split("=")[0] not in args.sources]
+    if bad or (args.reference_source and not args.references_from):
+        p.error(f"--reference-source takes NAME=THEIRS with NAME one of --sources, and --references-from; got {bad}")
+    args.reference_source = dict(a.split("=") for a in args.reference_source)
     return args
 
 
@@ -143,11 +156,16 @@ def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: d
                 print(f"[recency_blend] recall {name}: exact {sum(r['exact'] for r in rows) / len(rows):.3f}",
                       flush=True)
             sink.flush()
+    return headline(done, args.recall_min_dense)
+
+
+def headline(done: list[dict], min_dense: float) -> list[dict]:
+    """The recall records, each marked ``headline`` where dense's exact match in its cell is at least ``min_dense``."""
     cells: dict[tuple, list[float]] = {}
     for r in done:
         if r["rule"] == "dense":
             cells.setdefault((r["task"], r["context"], r["depth"]), []).append(r["exact"])
-    good = {cell for cell, hits in cells.items() if sum(hits) / len(hits) >= args.recall_min_dense}
+    good = {cell for cell, hits in cells.items() if sum(hits) / len(hits) >= min_dense}
     return [{**r, "headline": (r["task"], r["context"], r["depth"]) in good} for r in done]
 
 
@@ -206,9 +224,11 @@ def summarize_recall(records: list[dict], rules: list[str]) -> dict:
 REFERENCE_POLICIES = ("streaming", "tova", "h2o", "oracle")
 
 
-def study_references(path: Path, sources: list[str], B: int) -> dict[str, dict[str, dict[str, dict]]]:
+def study_references(path: Path, sources: list[str], B: int, aliases: dict | None = None
+                     ) -> dict[str, dict[str, dict[str, dict]]]:
     """Per corpus of ``sources`` that the study at ``path`` evaluated: ``{policy: {sequence id: record}}`` of its
-    text records at total budget ``B`` (streaming, TOVA, H2O, the oracle); ValueError if it is not a study."""
+    text records at total budget ``B`` (streaming, TOVA, H2O, the oracle); ``aliases``: {source: the study's name for
+    the same corpus}. ValueError if it is not a study."""
     try:
         study = json.loads(Path(path).read_text())
         measured = {study["meta"]["study"]["source"]: study["references"]["records"],
@@ -218,11 +238,27 @@ def study_references(path: Path, sources: list[str], B: int) -> dict[str, dict[s
             from None
     out = {}
     for source in sources:
-        rows = [r for r in measured.get(source, []) if r["part"] == "text" and r.get("B") == B]
+        rows = [r for r in measured.get((aliases or {}).get(source, source), []) if r["part"] == "text" and
+                r.get("B") == B]
         if rows:
             out[source] = {policy: {r["item"]: r for r in rows if r["policy"] == policy}
                            for policy in REFERENCE_POLICIES}
     return out
+
+
+def check_aliased_references(records: list[dict], references: dict, aliases: dict) -> None:
+    """One line (ValueError) unless, for each aliased corpus, streaming's records here equal the study's on every
+    sequence both have (KL and top-1 to 1e-6; at least one): the same tokens under another file name."""
+    for source in aliases:
+        theirs = references.get(source, {}).get("streaming", {})
+        mine = {r["id"]: r for r in records if r["source"] == source and r["rule"] == "streaming" and "id" in r}
+        both = sorted(set(mine) & set(theirs))
+        off = max((abs(mine[i][m] - theirs[i][t]) for i in both for m, t in (("kl", "kl"), ("top1", "top1_agreement"))),
+                  default=None)
+        if off is None or off > 1e-6:
+            raise ValueError(f"--reference-source {source}={aliases[source]}: streaming here and there differ "
+                             f"({'no sequence in common' if off is None else f'by up to {off:.2e}'} over "
+                             f"{len(both)} sequences): not the same held-out text")
 
 
 def check_reference_heldout(args, configs, tokenizer) -> None:
@@ -235,7 +271,10 @@ def check_reference_heldout(args, configs, tokenizer) -> None:
     from pipelines.data import load_sequences
 
     meta = json.loads(Path(args.references_from).read_text())["meta"]
-    saved = meta.get("heldout_sha256")
+    saved = {name: digest for name, digest in (meta.get("heldout_sha256") or {}).items()}
+    for source, theirs in args.reference_source.items():  # an aliased corpus: its digest is the study's name's
+        if theirs in saved:
+            saved[source] = saved[theirs]
     if not saved or meta.get("study", {}).get("eval_sequences") != args.sequences:
         return
     digests = {cfg.data.source: heldout_digest(load_sequences(cfg, "eval", tokenizer)) for cfg in configs
@@ -329,7 +368,7 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from benchmarks.learning_curves import load_saved_scorer
-    from benchmarks.scorer_records import measure, open_records, write_result
+    from benchmarks.scorer_records import measure, open_records
     from kvpop import Budget
     from kvpop.evaluation import Setting, forced_logits, teacher_targets
     from pipelines.config import ConfigError
@@ -337,12 +376,25 @@ def main(argv=None) -> int:
 
     try:
         meta, configs, budget, records_path, identity = open_records(args, "recency_blend", args.topk)
-        references = (study_references(Path(args.references_from), args.sources, Budget(**budget).total)
-                      if args.references_from else {})
+        references = (study_references(Path(args.references_from), args.sources, Budget(**budget).total,
+                                       args.reference_source) if args.references_from else {})
     except (ConfigError, ValueError) as err:
         print(f"recency_blend: {err}", file=sys.stderr)
         return 2
     out = Path(args.out)
+    own = float(meta.get("recency", 0.0))
+    rules = rules_of(args)
+    recall_rules = [r for r in rules if not r.startswith("oracle")]  # the oracle rules: held-out text only
+    recall_path = out / f"recency_blend_{args.tag}_recall.jsonl"
+    if args.summarize:
+        try:
+            records = committed_records(args, records_path, identity, rules)
+            recall = committed_recall(args, recall_path, identity, recall_rules) if args.recall_tasks else []
+            check_aliased_references(records, references, args.reference_source)
+        except (ConfigError, ValueError) as err:
+            print(f"recency_blend: {err}", file=sys.stderr)
+            return 2
+        return report(args, out, budget, own, rules, records, recall, recall_rules, references)
     tokenizer = load_tokenizer(configs[0])
     try:
         check_reference_heldout(args, configs, tokenizer)
@@ -350,8 +402,6 @@ def main(argv=None) -> int:
         print(f"recency_blend: {err}", file=sys.stderr)
         return 2
     model = load_saved_scorer(args.checkpoint, meta, configs[0], args.device)
-    own = float(meta.get("recency", 0.0))
-    rules = rules_of(args)
 
     def setting_of(rule, at=Budget(**budget)) -> Setting:
         return rule_setting(rule, at, own)
@@ -369,14 +419,53 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     records = measure(model, args, {**meta, "budget": budget}, tokenizer, records_path, identity, lambda item: rules,
                       logits_of, "recency_blend")
-    recall_rules = [r for r in rules if not r.startswith("oracle")]  # the oracle rules: held-out text only
-    recall = (measure_recall(model, args, budget, tokenizer, out / f"recency_blend_{args.tag}_recall.jsonl",
-                             identity, recall_rules, setting_of) if args.recall_tasks else [])
+    recall = (measure_recall(model, args, budget, tokenizer, recall_path, identity, recall_rules, setting_of)
+              if args.recall_tasks else [])
+    try:
+        check_aliased_references(records, references, args.reference_source)
+    except ValueError as err:
+        print(f"recency_blend: {err}", file=sys.stderr)
+        return 2
+    return report(args, out, budget, own, rules, records, recall, recall_rules, references)
+
+
+def committed_records(args, records_path: Path, identity: dict, rules: list[str]) -> list[dict]:
+    """``--summarize``: the committed records, every (corpus, sequence, rule) there or one line (ConfigError)."""
+    from benchmarks.scorer_records import committed
+    from pipelines.config import ConfigError
+
+    records = committed(records_path, identity, "records")
+    have = {(r["source"], r["item"], r["rule"]) for r in records}
+    missing = [(s, i, r) for s in args.sources for i in range(args.sequences) for r in rules if (s, i, r) not in have]
+    if missing:
+        source, item, rule = missing[0]
+        raise ConfigError(f"{records_path} lacks {len(missing)} records (first: {source} item {item} {rule}): measure "
+                          f"them (without --summarize)")
+    return records
+
+
+def committed_recall(args, path: Path, identity: dict, rules: list[str]) -> list[dict]:
+    """``--summarize``: the committed recall records (:func:`headline` marked), every rule's there or one line."""
+    from benchmarks.scorer_records import committed
+    from pipelines.config import ConfigError
+
+    done = committed(path, identity, "recall records")
+    missing = [r for r in rules if r not in {d["rule"] for d in done}]
+    if missing:
+        raise ConfigError(f"{path} has no recall records of {', '.join(missing)}: measure them (without --summarize)")
+    return headline(done, args.recall_min_dense)
+
+
+def report(args, out: Path, budget: dict, own: float, rules, records, recall, recall_rules, references) -> int:
+    from benchmarks.scorer_records import write_result
+    from kvpop import Budget
+
     result = {"checkpoint": str(Path(args.checkpoint)), "budget": str(Budget(**budget)), "own_recency": own,
               "rules": rules,
               "args": vars(args), "summary": summarize(records, args.sources, rules),
               "recall": summarize_recall(recall, recall_rules),
               "versus_references": versus_references(records, references, rules)}
+    out.mkdir(parents=True, exist_ok=True)
     write_result(out, f"recency_blend_{args.tag}", result, render(result))
     return 0
 

@@ -379,6 +379,33 @@ def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setu
     assert anchored["recall"]["logprob:kvpop+1e+06@a1-kvpop+1e+06"]["mean"] == pytest.approx(
         anchored["recall"]["logprob"]["kvpop"] - anchored["recall"]["logprob"]["kvpop+1e+06"], abs=1e-4)
     assert "| kvpop+1e+06@a0.5 |" in (tmp_path / "recency_blend_an.md").read_text()
+    # --summarize: the same result from the committed records alone; a rule never measured is one line
+    assert recency_blend.main([*common[:-1], "an", "--recency", "1e6", "--anchors", "1", "0.5", *recall,
+                               "--summarize"]) == 0
+    again = json.loads((tmp_path / "recency_blend_an.json").read_text())
+    assert again["summary"] == anchored["summary"] and again["recall"] == anchored["recall"]
+    capsys.readouterr()
+    assert recency_blend.main([*common[:-1], "an", "--recency", "0.5", "--summarize"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "measure them (without --summarize)" in err, err
+    # --reference-source: the study's corpus under another name pairs by id where streaming is identical there
+    docs = str(tiny_setup / "docs.jsonl")
+    renamed = json.loads(study.read_text())
+    renamed["meta"]["study"]["source"] = "renamed"
+    renamed["meta"]["heldout_sha256"] = {"renamed": renamed["meta"]["heldout_sha256"][docs]}
+    (tmp_path / "renamed.json").write_text(json.dumps(renamed))
+    aliased = [*common[:-1], "at32", "--topk", "22", "--recency", "1e6", "--references-from",
+               str(tmp_path / "renamed.json"), "--reference-source", f"{docs}=renamed"]
+    assert recency_blend.main([*aliased, "--summarize"]) == 0
+    cell = json.loads((tmp_path / "recency_blend_at32.json").read_text())["versus_references"][docs]
+    assert cell["gap:kvpop"]["mean"] == pytest.approx(theirs["estimate"], abs=1e-3)
+    for record in renamed["references"]["records"]:
+        record["kl"] += 0.01  # other text: streaming is not the same there
+    (tmp_path / "renamed.json").write_text(json.dumps(renamed))
+    capsys.readouterr()
+    assert recency_blend.main([*aliased, "--summarize"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not the same held-out text" in err, err
     # a study whose held-out text under this corpus's name was another: refused in one line, before the model loads
     other = json.loads(study.read_text())
     other["meta"]["heldout_sha256"] = {name: "0" * 64 for name in other["meta"]["heldout_sha256"]}
