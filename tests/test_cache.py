@@ -51,13 +51,15 @@ def test_memory_is_constant_and_exact(scorer):
     model = tiny_model("llama", "gqa", layers=3)
     kvpop.retrofit(model, BUDGET, scorer=scorer)
     prompt = torch.randint(1, 97, (2, 30))
-    sizes = []
-    for new_tokens in (64, 512):
+
+    def held_after(new_tokens):
         cache = kvpop.KVpopCache(model)
         model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                        past_key_values=cache)
-        sizes.append(cache.nbytes())
         assert all(layer.keys.shape[2] == BUDGET.total for layer in cache.layers)
+        return cache.nbytes()
+
+    sizes = [held_after(64), held_after(512)]
     assert sizes[0] == sizes[1]
     rt = model.kvpop_runtime
     batch, dtype_size = 2, 4
@@ -68,12 +70,7 @@ def test_memory_is_constant_and_exact(scorer):
     assert sizes[0]["metadata"] == rt.num_layers * (BUDGET.total * rt.num_kv_heads * batch * 12 + batch * 8)
     # anchor slots: one more fp32 priority per slot (the anchors'), the same constant memory
     kvpop.set_policy(model, "kvpop", BUDGET, **ANCHORED)
-    anchored = []
-    for new_tokens in (64, 512):
-        cache = kvpop.KVpopCache(model)
-        model.generate(input_ids=prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                       past_key_values=cache)
-        anchored.append(cache.nbytes())
+    anchored = [held_after(64), held_after(512)]
     assert anchored[0] == anchored[1] and anchored[0]["kv"] == sizes[0]["kv"]
     assert anchored[0]["metadata"] == rt.num_layers * (BUDGET.total * rt.num_kv_heads * batch * 16 + batch * 8)
 
