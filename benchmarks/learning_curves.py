@@ -215,7 +215,7 @@ def budgets_for(args):
 
 def load_saved_scorer(folder, meta: dict, cfg, device: str = "cpu"):
     """A saved scorer folder (``kvpop.json`` ``meta`` + ``kvpop_scorers.safetensors``) retrofitted onto ``cfg``'s base
-    model (bf16 on CUDA, fp32 else), in eval mode."""
+    model (bf16 on CUDA, fp32 else), in eval mode, with the prior and streaming layers it was saved with."""
     import torch
 
     import kvpop
@@ -228,6 +228,7 @@ def load_saved_scorer(folder, meta: dict, cfg, device: str = "cpu"):
                    recency=meta["recency"], scorer_options={k: v for k, v in meta["scorer"].items() if k != "name"})
     kvpop.load_scorers(model, folder)
     kvpop.set_window_attention_prior(model, bool(meta.get("window_attention_prior", False)))
+    kvpop.set_streaming_layers(model, meta.get("streaming_layers", ()))
     return model.eval()
 
 
@@ -730,6 +731,7 @@ def run(args) -> dict:
     import kvpop
     from kvpop.evaluation import Setting
     from kvpop.pretrained import load_pretrained
+    from kvpop.scorers.base import HEAD_RECENCY_UNIT
     from pipelines.data import load_sequences
 
     started = time.perf_counter()
@@ -840,6 +842,9 @@ def run(args) -> dict:
                 other_refs + found, budgets, args.resamples, args.seed, policy="kvpop"),
                 "diagnostics": diagnostics(model, other_ids, [b.topk for b in eval_budgets], args.eval_batch,
                                            other.precompute.target_options())}
+        if getattr(kvpop.scorers(model)[0].config, "head_recency", False):  # the learned λ per layer and KV head
+            point["head_recency"] = [(s.head_recency.detach().float().cpu() / HEAD_RECENCY_UNIT).tolist()
+                                     for s in kvpop.scorers(model)]
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
         result["points"].append(point)
         print(f"[curves] {describe_point(point, train_budget)} (eval {point['eval_s']}s)", flush=True)

@@ -18,7 +18,9 @@ reference itself gain from a decay? ``--anchors SHARE …``: each λ also with a
 the long-range slots ranked by the scorer + the scorer's own λ plus each ``--anchor-recency`` instead (rule
 ``kvpop+λ@aSHARE[+λa]``), so that a token the scorer rates highly survives the decay that ranks the other slots;
 each such rule is also paired with ``kvpop+λ``, what the anchors cost or add. Choose λ on some corpora and read it on
-one it was not chosen on. Writes ``<out>/recency_blend_<tag>.{json,md}``.
+one it was not chosen on. ``--streaming-layers L …``: every kvpop rule with those layers a streaming cache of the
+same B (METHOD §1's per-layer calibration, ``kvpop.set_streaming_layers``), to be chosen on training text. Writes
+``<out>/recency_blend_<tag>.{json,md}``.
 
 ``--summarize`` writes the result from the records already committed under the tag (no model, nothing measured; a
 missing record is one line). ``--reference-source NAME=THEIRS`` pairs corpus ``NAME`` with the study's records of
@@ -51,6 +53,9 @@ def parse_args(argv=None):
     p.add_argument("--anchor-recency", type=float, nargs="+", default=[0.0], help="the anchors' λ added to the "
                    "scorer's own (default 0: the scorer alone ranks them)")
     p.add_argument("--topk", type=int, default=None, help="long-range slots to evaluate at (default: the scorer's)")
+    p.add_argument("--streaming-layers", type=int, nargs="*", default=None, metavar="LAYER", help="every kvpop rule "
+                   "with these layers a streaming cache of the same B (kvpop.set_streaming_layers; default: the "
+                   "checkpoint's own); the records carry them, so another set needs another --tag")
     p.add_argument("--recall-tasks", nargs="*", default=[], help="recall tasks (pipelines.recall names; none: no "
                    "recall part), at the first corpus's config")
     p.add_argument("--recall-contexts", type=int, nargs="+", default=[2048])
@@ -75,6 +80,8 @@ def parse_args(argv=None):
     if args.sequences < 1 or any(x < 0 for x in args.recency) or (args.topk is not None and args.topk < 0) or \
             args.recall_samples < 1:
         p.error("--sequences and --recall-samples must be >= 1, --recency values and --topk >= 0")
+    if args.streaming_layers is not None and any(x < 0 for x in args.streaming_layers):
+        p.error(f"--streaming-layers are layer indices >= 0, got {args.streaming_layers}")
     if any(not 0 < x <= 1 for x in args.anchors) or any(x < 0 for x in args.anchor_recency):
         p.error("--anchors are shares in (0, 1], --anchor-recency values >= 0")
     bad = [a for a in args.reference_source if a.count("=") != 1 or a.split("=")[0] not in args.sources]
@@ -317,7 +324,9 @@ def render(result: dict) -> str:
     from benchmarks.bootstrap import format_interval
 
     rules = result["rules"]
-    lines = [f"# Recency blend: {result['checkpoint']} at {result['budget']}", "",
+    layers = result.get("streaming_layers")
+    lines = [f"# Recency blend: {result['checkpoint']} at {result['budget']}" +
+             (f", streaming layers {layers}" if layers else ""), "",
              "Teacher-forced against the dense model over positions ≥ B, one value per held-out sequence; "
              "kvpop+λ ranks by the scorer's output + λ·t (λ added to the scorer's own, METHOD §3). Means over the "
              "sequences every rule has; 95 % paired bootstrap intervals (* where they exclude 0). KL: lower is "
@@ -367,15 +376,18 @@ def render(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    import kvpop
     from benchmarks.learning_curves import load_saved_scorer
     from benchmarks.scorer_records import measure, open_records
     from kvpop import Budget
     from kvpop.evaluation import Setting, forced_logits, teacher_targets
+    from kvpop.pretrained import read_model_config
     from pipelines.config import ConfigError
     from pipelines.data import load_tokenizer
 
     try:
-        meta, configs, budget, records_path, identity = open_records(args, "recency_blend", args.topk)
+        meta, configs, budget, records_path, identity = open_records(
+            args, "recency_blend", args.topk, streaming_layers=args.streaming_layers)
         references = (study_references(Path(args.references_from), args.sources, Budget(**budget).total,
                                        args.reference_source) if args.references_from else {})
     except (ConfigError, ValueError) as err:
@@ -401,7 +413,16 @@ def main(argv=None) -> int:
     except ConfigError as err:
         print(f"recency_blend: {err}", file=sys.stderr)
         return 2
+    if args.streaming_layers is not None:  # refused before the model loads
+        layers = read_model_config(configs[0].model.resolved_path()).get("num_hidden_layers")
+        bad = sorted(x for x in args.streaming_layers if layers is not None and x >= layers)
+        if bad:
+            print(f"recency_blend: --streaming-layers: the model has layers 0 … {layers - 1}, got {bad}",
+                  file=sys.stderr)
+            return 2
     model = load_saved_scorer(args.checkpoint, meta, configs[0], args.device)
+    if args.streaming_layers is not None:
+        kvpop.set_streaming_layers(model, args.streaming_layers)
 
     def setting_of(rule, at=Budget(**budget)) -> Setting:
         return rule_setting(rule, at, own)
@@ -461,7 +482,7 @@ def report(args, out: Path, budget: dict, own: float, rules, records, recall, re
     from kvpop import Budget
 
     result = {"checkpoint": str(Path(args.checkpoint)), "budget": str(Budget(**budget)), "own_recency": own,
-              "rules": rules,
+              "streaming_layers": args.streaming_layers, "rules": rules,
               "args": vars(args), "summary": summarize(records, args.sources, rules),
               "recall": summarize_recall(recall, recall_rules),
               "versus_references": versus_references(records, references, rules)}

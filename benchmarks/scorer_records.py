@@ -37,11 +37,13 @@ def committed(path: Path, identity: dict, what: str) -> list[dict]:
     return found
 
 
-def open_records(args, name: str, topk: int | None = None) -> tuple[dict, list, dict, Path, dict]:
+def open_records(args, name: str, topk: int | None = None, streaming_layers=None
+                 ) -> tuple[dict, list, dict, Path, dict]:
     """A saved-scorer benchmark's run, checked before anything loads: ``(kvpop.json, each corpus's config, the
     budget measured at — the scorer's, or with ``topk`` long-range slots —, <out>/<name>_<tag>_items.jsonl, the
-    identity its records carry)``; records already there of another run are refused. Bad input: ConfigError (one
-    line)."""
+    identity its records carry)``; records already there of another run are refused. ``streaming_layers``: the
+    layers the run makes streaming (None: the checkpoint's own), part of the identity when given. Bad input:
+    ConfigError (one line)."""
     from pipelines.config import ConfigError
 
     folder = Path(args.checkpoint)
@@ -49,6 +51,8 @@ def open_records(args, name: str, topk: int | None = None) -> tuple[dict, list, 
     budget = {**meta["budget"], **({"topk": topk} if topk is not None else {})}
     records_path = Path(args.out) / f"{name}_{args.tag}_items.jsonl"
     identity = {"checkpoint": str(folder.resolve()), "budget": budget, "seq_len": args.seq_len}
+    if streaming_layers is not None:
+        identity["streaming_layers"] = sorted(set(streaming_layers))
     try:
         committed(records_path, identity, "records")
     except ValueError as err:

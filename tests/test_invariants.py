@@ -7,7 +7,8 @@ from kvpop import Budget
 from tests.models import ARCHS, HEADS, dms_model, tiny_model
 
 STATIC = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "streaming", "random", "oracle", "dms",
-          "window_attention", "kvpop+prior:mlstm", "kvpop+anchors:mlstm", "oracle+anchors"]
+          "window_attention", "kvpop+prior:mlstm", "kvpop+anchors:mlstm", "oracle+anchors", "kvpop+aged:mlstm",
+          "kvpop+aged:mlp"]
 BUDGET = Budget(3, 8, 10)
 # anchor slots: half the long-range slots without the recency term that ranks the other half (METHOD §1); a strong
 # term, so that the two pools disagree and overlap over 48 tokens
@@ -20,8 +21,14 @@ def retrofitted(arch, heads, policy, budget=BUDGET):
     model = tiny_model(arch, heads)
     name, _, scorer = policy.partition(":")
     base, _, variant = name.partition("+")
-    kvpop.retrofit(model, budget, scorer=scorer or "mlp", policy=base, **(ANCHORS if variant == "anchors" else {}))
+    kvpop.retrofit(model, budget, scorer=scorer or "mlp", policy=base, **(ANCHORS if variant == "anchors" else {}),
+                   **({"scorer_options": {"head_recency": True}} if variant == "aged" else {}))
     kvpop.set_window_attention_prior(model, variant == "prior")  # scorer + window attention
+    if variant == "aged":  # learned per-head recency terms of either sign, strong enough to reorder 48 tokens
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for scorer in kvpop.scorers(model):
+                scorer.head_recency.copy_(40 * torch.randn(scorer.head_recency.shape, generator=g))
     return model
 
 

@@ -418,6 +418,36 @@ def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setu
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "other held-out sequences under the same corpus name" in err, err
     assert not (tmp_path / "recency_blend_ot_items.jsonl").exists()
+    # --streaming-layers: every layer streaming makes each kvpop rule streaming's kept set, whatever its λ; the
+    # records carry the layers (a tag measured without them is refused), a layer the model lacks is one line
+    layers = json.loads((tiny_setup / "teacher" / "config.json").read_text())["num_hidden_layers"]
+    assert recency_blend.main([*common[:-1], "sl", "--recency", "0.01", "--streaming-layers",
+                               *map(str, range(layers))]) == 0
+    by = {(r["rule"], r["item"]): r for r in map(json.loads, (tmp_path / "recency_blend_sl_items.jsonl").open())}
+    assert all(r["streaming_layers"] == list(range(layers)) for r in by.values())
+    for item in range(3):
+        for rule in ("kvpop", "kvpop+0.01"):
+            assert by[rule, item]["kl"] == pytest.approx(by["streaming", item]["kl"], abs=1e-5)
+    assert "streaming layers [0" in (tmp_path / "recency_blend_sl.md").read_text()
+    # a checkpoint saved with streaming layers is loaded with them (the default of --streaming-layers)
+    import shutil
+
+    from benchmarks.learning_curves import load_saved_scorer
+    from benchmarks.scorer_records import saved_scorer
+    from kvpop.retrofit import runtime_of
+
+    calibrated = tmp_path / "calibrated"
+    shutil.copytree(saved / manifest["model"], calibrated)
+    meta = json.loads((calibrated / "kvpop.json").read_text())
+    (calibrated / "kvpop.json").write_text(json.dumps({**meta, "streaming_layers": [layers - 1]}))
+    meta, configs = saved_scorer(calibrated, str(tiny_setup / "teacher"), [str(tiny_setup / "docs.jsonl")], 64, 3)
+    assert runtime_of(load_saved_scorer(calibrated, meta, configs[0])).streaming_layers == {layers - 1}
+    for extra, message in ((["--tag", "t", "--streaming-layers", "0"], "use another --tag"),
+                           (["--tag", "sl2", "--streaming-layers", str(layers)], "--streaming-layers")):
+        capsys.readouterr()
+        assert recency_blend.main([*common[:-2], *extra, "--recency", "0.01"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
     capsys.readouterr()
     assert recency_blend.main([*common, "--recency", "0.01", "--topk", "4"]) == 2
     err = capsys.readouterr().err.strip()
@@ -642,3 +672,15 @@ def test_a_mixed_in_corpus_joins_the_pool_with_its_training_split_only(tiny_setu
         assert curves.main(argv(tiny_setup, out, *extra)) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_a_learned_per_head_recency_trains_and_is_reported(tiny_setup, home, tmp_path):
+    """``--scorer-options '{"head_recency": true}'``: the per-head recency terms (METHOD §4) start at 0 and the
+    retention loss moves them; the saved scorer carries them and the study reports the learned λ per layer."""
+    assert curves.main(argv(tiny_setup, tmp_path / "out", "--checkpoints", str(4 * TOKENS_PER_STEP),
+                            "--scorer-options", '{"head_recency": true}', "--save-state", str(tmp_path / "st"))) == 0
+    learned = {k: v for k, v in _step_files(tmp_path / "st").items() if k.endswith("head_recency")}
+    assert learned and all(v.abs().max() > 0 for v in learned.values())
+    result = json.loads((tmp_path / "out" / "learning_curves_t.json").read_text())
+    rates = result["points"][-1]["head_recency"]
+    assert len(rates) == len(learned) and all(len(row) == v.numel() for row, v in zip(rates, learned.values()))

@@ -61,12 +61,15 @@ def random_targets(model, batch, size, budget):
 # -- scorers: a chunk of calls at once equals stepping ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("features", ["kv", "kv_norms"])
+@pytest.mark.parametrize("features", ["kv", "kv_norms", "head_recency"])
 @pytest.mark.parametrize("name", ["mlp", "mlstm", "mlstm_immediate"])
 def test_scorer_resume_equals_stepping(name, features):
     options = {"chunk_size": 16, "qk_dim": 16, "v_dim": 16} if name.startswith("mlstm") else {}
-    options["features"] = features
+    options.update({"head_recency": True} if features == "head_recency" else {"features": features})
     scorer = build_scorer(name, 2, 8, 5, **options)
+    if features == "head_recency":  # a decay and a growth, each of several priority units over the 40 calls
+        with torch.no_grad():
+            scorer.head_recency.copy_(torch.tensor([30.0, -20.0]))
     keys, values = torch.randn(3, 2, 40, 8), torch.randn(3, 2, 40, 8)
     valid = torch.ones(3, 40, dtype=torch.bool)
     valid[1, :7] = False  # left padding

@@ -194,3 +194,34 @@ def test_registry_and_configs():
         assert type(again) is type(scorer) and again.config == scorer.config and again.window == 4
         again.load_state_dict(scorer.state_dict())  # same parameter layout
     assert build_scorer("mlstm", 2, 16, 4, qk_dim=8).config.qk_dim == 8
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_head_recency_adds_a_learned_per_head_decay_on_every_path(name):
+    """``head_recency=True`` (METHOD §4): the scorer's output plus λ_h · t, one λ_h = head_recency[h] / 256 per KV
+    head — zero at init (the scorer without it), the same in forward(), step() and a prefill + decode, and trained
+    by the loss like every other parameter."""
+    from kvpop.scorers.base import HEAD_RECENCY_UNIT
+
+    B, H, D, W, S = 2, 3, 8, 5, 40
+    plain = make(name, H, D, W, num_heads=2)
+    overrides = {"num_heads": 2, "qk_dim": 16, "v_dim": 16} if name.startswith("mlstm") else {}
+    aged = build_scorer(name, H, D, W, head_recency=True, **overrides)
+    missing = aged.load_state_dict(plain.state_dict(), strict=False).missing_keys
+    assert missing == ["head_recency"] and build_scorer(**aged.config_dict()).config.head_recency
+    keys, values = kv(B, H, S, D)
+    with torch.no_grad():
+        torch.testing.assert_close(aged(keys, values), plain(keys, values), atol=0, rtol=0)
+        aged.head_recency.copy_(torch.tensor([25.6, -12.8, 0.0]))
+        p = aged(keys, values)
+        rate = torch.tensor([25.6, -12.8, 0.0]) / HEAD_RECENCY_UNIT
+        torch.testing.assert_close(p, plain(keys, values) + rate[None, :, None] * torch.arange(S).float(),
+                                   atol=TOL, rtol=TOL)
+        out, _ = run_steps(aged, keys, values, aged.init_state(B, "cpu"), 0)
+        assert_steps_match(out, p, W)
+        _, state = aged(keys[:, :, :17], values[:, :, :17], return_state=True)
+        out, _ = run_steps(aged, keys, values, state, 17)
+        assert_steps_match(out, p, W)
+    loss = aged(keys, values)[:, 0].mul(torch.linspace(-1, 1, S)).sum()
+    loss.backward()
+    assert aged.head_recency.grad[0] != 0 and aged.head_recency.grad[1:].abs().sum() == 0

@@ -43,10 +43,15 @@ State = dict[str, torch.Tensor]  # every tensor has the batch on dim 0, so a cac
 FEATURE_SETS = ("kv", "kv_norms")
 
 
+# the unit of a learned per-head recency term: its parameter is the priority a token loses per this many tokens of age
+HEAD_RECENCY_UNIT = 256.0
+
+
 @dataclass(frozen=True)
 class ScorerConfig:
     norm_eps: float = 1e-6  # eps of the parameter-free RMS norms
     features: str = "kv"  # kv: [rms(k); rms(v)]; kv_norms: also the log RMS of k and of v that the norm removes
+    head_recency: bool = False  # a learned recency term per KV head in the output (see Scorer.with_head_recency)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -82,10 +87,26 @@ class Scorer(nn.Module, ABC):
         self.window = window
         self.config = config
         self.in_features = 2 * head_dim + (2 if config.features == "kv_norms" else 0)
+        if config.head_recency:  # λ_h = head_recency[h] / HEAD_RECENCY_UNIT; 0 at init: the scorer without it
+            self.head_recency = nn.Parameter(torch.zeros(num_kv_heads))
 
     def features(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """[B, H, S, D] keys and values -> [B, H, S, in_features] float32 token features (see token_features)."""
         return token_features(keys, values, valid, self.config.norm_eps, norms=self.config.features == "kv_norms")
+
+    def with_head_recency(self, priority: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``priority`` [B, H, S] of the tokens with call indices ``index`` [B, S] (or [B] for S = 1 squeezed:
+        priority [B, H]) plus ``λ_h · index`` with the learned per-head λ_h (``config.head_recency``; else
+        unchanged). METHOD §4: the policy's recency term (§3) with one λ per KV head, learned with the scorer. The
+        call index, not the position: under left padding the two differ by a constant per row, and priorities are
+        only ever compared within a row and head, so the ranking is the same; forward(), step() and resume() all
+        count calls, so they agree."""
+        if not self.config.head_recency:
+            return priority
+        rate = self.head_recency.float() / HEAD_RECENCY_UNIT  # [H]
+        if priority.dim() == 2:
+            return priority + rate[None, :] * index.to(priority.dtype)[:, None]
+        return priority + rate[None, :, None] * index.to(priority.dtype)[:, None, :]
 
     def config_dict(self) -> dict[str, Any]:
         """Everything needed to rebuild this scorer: `build_scorer(**scorer.config_dict())`."""

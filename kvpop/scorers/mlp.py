@@ -32,6 +32,7 @@ class MLPScorer(Scorer):
         B, _, S, _ = keys.shape
         with fp32_region(keys.device):
             p = self.mlp(self.features(keys, values, valid))  # [B, H, S]
+            p = self.with_head_recency(p, torch.arange(S, device=keys.device).expand(B, S))
         if not return_state:
             return p
         state = {"p_ring": ring_from_sequence(p, self.window),
@@ -45,7 +46,7 @@ class MLPScorer(Scorer):
     def step(self, key, value, state, valid=None):
         with fp32_region(key.device):
             x = self.features(key[:, :, None], value[:, :, None], None if valid is None else valid[:, None])
-            p_new = self.mlp(x)[:, :, 0]  # [B, H]
+            p_new = self.with_head_recency(self.mlp(x)[:, :, 0], state["pos"])  # [B, H], token pos
         p_out, p_ring = ring_swap(state["p_ring"], state["pos"], p_new)
         return p_out, {"p_ring": p_ring, "pos": state["pos"] + 1}
 
@@ -53,5 +54,6 @@ class MLPScorer(Scorer):
         with fp32_region(keys.device):
             p_new = self.mlp(self.features(keys, values, valid))  # [B, H, C]
         pos = state["pos"]
+        p_new = self.with_head_recency(p_new, pos[:, None] + torch.arange(keys.shape[2], device=keys.device))
         return ring_leaving(state["p_ring"], pos, p_new), {"p_ring": ring_append(state["p_ring"], pos, p_new),
                                                            "pos": pos + keys.shape[2]}

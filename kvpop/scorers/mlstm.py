@@ -148,7 +148,7 @@ class MLSTMScorer(Scorer):
             h, (c, n, m) = self._backend(keys.device)(flat(q_read), flat(k), flat(v), flat(i), flat(f),
                                                       return_last_states=True, mode="train")
             h = h.view(B, H, NH, T, -1)[:, :, :, shift:shift + S]  # the read of token t
-            p = self._priority(h, own)
+            p = self.with_head_recency(self._priority(h, own), torch.arange(S, device=keys.device).expand(B, S))
         if not return_state:
             return p
         # No-write padding leaves (c, n, m) as they were after the last real token. clone(): the kernel returns
@@ -199,6 +199,7 @@ class MLSTMScorer(Scorer):
                 c=flat(state["c"]), n=flat(state["n"]), m=flat(state["m"])[..., None],
                 eps=self.config.eps, dtype_state=torch.float32)
             p = self._priority(h.view(B, H, NH, 1, -1), own[:, :, None])[:, :, 0]  # [B, H]
+            p = self.with_head_recency(p, pos - self.window if self.delayed else pos)  # the token p belongs to
             if not self.delayed:  # this token's priority goes in; the one leaving the window comes out
                 p, new_state["p_ring"] = ring_swap(state["p_ring"], pos, p)
         new_state.update(c=c.view(B, H, NH, *c.shape[2:]), n=n.view(B, H, NH, -1), m=m.view(B, H, NH))
@@ -229,6 +230,8 @@ class MLSTMScorer(Scorer):
                 flat(q), flat(k), flat(v), flat(i), flat(f), c_initial=flat(state["c"]), n_initial=flat(state["n"]),
                 m_initial=flat(state["m"])[..., None], return_last_states=True, mode="train")
             p = self._priority(h.view(B, H, NH, T, -1)[:, :, :, :C], own)
+            first = pos - self.window if self.delayed else pos  # the token of the chunk's first read
+            p = self.with_head_recency(p, first[:, None] + torch.arange(C, device=keys.device))
         if not self.delayed:  # the chunk's priorities go in; those of the tokens leaving the window come out
             p, new_state["p_ring"] = ring_leaving(state["p_ring"], pos, p), ring_append(state["p_ring"], pos, p)
         new_state.update(c=c.clone().view(B, H, NH, *c.shape[2:]), n=n.clone().view(B, H, NH, -1),
