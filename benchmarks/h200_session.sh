@@ -5,7 +5,7 @@
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
-#    age_norms norms)
+#    age_norms norms mass balance)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -46,17 +46,18 @@ variant() {
   local tag=$1 lambdas=$2; shift 2
   python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
     --train-sequences 5120 --save-state "$out/${tag}_state" --window 256 --topk 252 --eval-topks 252 \
-    --query-power 16 --checkpoints "${VARIANT_TOKENS:-8e6}" --eval-sequences 64 --dynamic-sequences 24 \
+    --query-power 16 --checkpoints "${VARIANT_TOKENS:-4e6}" --eval-sequences 64 --dynamic-sequences 24 \
     --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
     --recall-tasks niah_single niah_single_essay niah_multikey_2 \
     --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json --tag "h200_w256_qp16_$tag" "$@" && \
   blend "$(ls -d "$out/${tag}_state"/step-*)" "h200_w256_qp16_$tag" $lambdas
 }
 # blend CHECKPOINT TAG λ… [more recency_blend options]: a B = 512 scorer's recency blend on champ, stdlib and the
-# rebuilt docs, 64 sequences each, the recall cells at 2k, paired with the prose study's references
+# rebuilt docs, BLEND_SEQUENCES each (32: a re-run with 64 measures only the rest), the recall cells at 2k, paired
+# with the prose study's references
 blend() {
   local checkpoint=$1 tag=$2; shift 2
-  python benchmarks/recency_blend.py --checkpoint "$checkpoint" --device cuda --sequences 64 \
+  python benchmarks/recency_blend.py --checkpoint "$checkpoint" --device cuda --sequences "${BLEND_SEQUENCES:-32}" \
     --sources champ stdlib "${DOCS_NEW:?}" --reference-source "${DOCS_NEW}=/tmp/gpu/python_docs.jsonl" \
     --recency "$@" --recall-tasks niah_single niah_single_essay niah_multikey_2 --recall-samples 8 \
     --tag "$tag" --out "$out" --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json
@@ -221,15 +222,22 @@ run_part() {
                     --device cuda --sources "${DOCS_NEW:?}" --sequences 64 ${ANCHOR_RULES:-$ANCHOR_GRID} --oracle \
                     --tag "h200_w128_qp16_at256_${ANCHOR_TAG:-anchors}_docs" --out "$out"; wait; } ;;
     # issue 12, thirteenth session: the committed w256 scorer with the eighth session's streaming layers (chosen on
-    # champ training text: layer 0, 12–20 and 27 a streaming cache of the same B) and the recency term; ~8 min
+    # champ training text: layer 0, 12–20 and 27 a streaming cache of the same B) and the recency term; 4 min
     sl_blend)   unpack w256 && blend "$out/rb512/step-0000670" h200_w256_qp16_sl 0.002 0.003 \
                   --streaming-layers ${SL_LAYERS:-0 12 13 14 15 16 17 18 19 20 27} ;;
     # issue 12, thirteenth session: a recency term learned per KV head with the scorer (METHOD §4, head_recency), with
-    # the norms the RMS features remove (log RMS of k and v), and the norms alone; each trained to 8M tokens, then
-    # blended with a global λ on top; ~13 min side by side
-    age)        variant age "0.0005 0.001 0.002" --scorer-options '{"head_recency": true}' ;;
-    age_norms)  variant age_norms "0.0005 0.001 0.002" --scorer-options '{"head_recency": true, "features": "kv_norms"}' ;;
-    norms)      variant norms "0.0015 0.002 0.003" --scorer-options '{"features": "kv_norms"}' ;;
+    # the norms the RMS features remove (log RMS of k and v), and the norms alone; each trained to 4M tokens, then
+    # blended with a global λ on top; two side by side (beside sl_blend): 6 min
+    age)        variant age "0.001 0.002" --scorer-options '{"head_recency": true}' ;;
+    age_norms)  variant age_norms "0.001 0.002" --scorer-options '{"head_recency": true, "features": "kv_norms"}' ;;
+    norms)      variant norms "0.002 0.003" --scorer-options '{"features": "kv_norms"}' ;;
+    # the next session's: what the boundary loss wants when it weighs decisions by the attention they move (loss
+    # weight mass) or by class (balance) — the learned per-head recency as the probe (thirteenth session: every λ_h
+    # came out slightly negative under the plain loss, while the text metrics want +0.002)
+    mass)       variant mass "0.001 0.002" --scorer-options '{"head_recency": true, "features": "kv_norms"}' \
+                  --loss-options '{"weight": "mass"}' ;;
+    balance)    variant balance "0.001 0.002" --scorer-options '{"head_recency": true, "features": "kv_norms"}' \
+                  --loss-options '{"balance": true}' ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -60,12 +60,14 @@ def boundary_loss(
     """Mean over valid positions of ``ω · softplus(-z · (p[t_new] - p[t_bnd]) / τ)``.
 
     ``student``/``teacher``: priorities ``[..., S]`` (any leading dims: batch × heads × layers), the teacher's
-    including the recency term the policy uses. ``weight``: ``None``, ``"margin"`` (``|y[t_new] - y[t_bnd]|``
-    of the teacher), or a tensor ``[..., S]`` indexed at ``t_new``. Returns 0 (with a graph, no NaN) when no
-    position is valid. ``decisions`` may be passed to reuse the teacher cutoffs (they depend only on the teacher).
-    ``balance`` multiplies ω by per-row class weights ``n / (2 n_keep)`` and ``n / (2 n_evict)``: the teacher keeps
-    ``t_new`` only ~15-25 % of the time, so the plain mean is dominated by "evict" decisions (rows with one class
-    only keep weight 1).
+    including the recency term the policy uses. ``weight``: ``None``, ``"margin"`` (``|y[t_new] - y[t_bnd]|`` of the
+    teacher), ``"mass"`` (``|exp y[t_new] - exp y[t_bnd]|``: the future attention the decision moves, when ``y`` is
+    a log-attention target without a recency term — what a wrong decision costs the attention output, where the
+    plain mean counts every decision alike), or a tensor ``[..., S]`` indexed at ``t_new``. Returns 0 (with a graph,
+    no NaN) when no position is valid. ``decisions`` may be passed to reuse the teacher cutoffs (they depend only on
+    the teacher). ``balance`` multiplies ω by per-row class weights ``n / (2 n_keep)`` and ``n / (2 n_evict)``: the
+    teacher keeps ``t_new`` only ~15-25 % of the time, so the plain mean is dominated by "evict" decisions (rows
+    with one class only keep weight 1).
     """
     if student.shape != teacher.shape:
         raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} priorities differ in shape")
@@ -78,9 +80,10 @@ def boundary_loss(
     z = dec.keep.to(student.dtype) * 2 - 1
     term = F.softplus(-z * margin / tau)
     if isinstance(weight, str):
-        if weight != "margin":
-            raise ValueError(f"weight must be None, 'margin' or a tensor, got {weight!r}")
-        omega = boundary_margins(teacher.detach(), dec).abs()
+        if weight not in ("margin", "mass"):
+            raise ValueError(f"weight must be None, 'margin', 'mass' or a tensor, got {weight!r}")
+        y = teacher.detach()
+        omega = boundary_margins(y if weight == "margin" else y.exp(), dec).abs()
         term = term * torch.where(dec.valid, omega, 0.0)
     elif weight is not None:
         term = term * weight.gather(-1, dec.t_new.expand_as(dec.t_bnd))
@@ -143,8 +146,8 @@ def check_retention_options(options: dict) -> dict:
     out = dict(options)
     if "tau" in out and not (isinstance(out["tau"], (int, float)) and out["tau"] > 0):
         raise ValueError(f"tau must be a number > 0, got {out['tau']!r}")
-    if out.get("weight") not in (None, "none", "margin"):
-        raise ValueError(f"weight must be none or margin, got {out['weight']!r}")
+    if out.get("weight") not in (None, "none", "margin", "mass"):
+        raise ValueError(f"weight must be none, margin or mass, got {out['weight']!r}")
     if out.get("weight") == "none":
         out["weight"] = None
     if "balance" in out and not isinstance(out["balance"], bool):

@@ -29,7 +29,7 @@ from kvpop.losses import boundary_agreement, boundary_decisions, boundary_loss, 
 from kvpop.retention import with_recency
 from kvpop.retrofit import collect_priorities, runtime_of
 
-WEIGHTS = (None, "margin")
+WEIGHTS = (None, "margin", "mass")
 
 
 def evicting(logits: torch.Tensor, budget: Budget) -> torch.Tensor:
@@ -52,7 +52,8 @@ def student_forward(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Te
 @dataclass(frozen=True)
 class Objective:
     """``L = KL_topK + beta · L_ret`` for a budget and a recency term (METHOD §3); ``tau`` the pairwise temperature,
-    ``weight`` ``None`` or ``"margin"`` (each term weighted by the teacher's ``|y[t_new] - y[t_bnd]|``)."""
+    ``weight`` ``None``, ``"margin"`` or ``"mass"`` (each term weighted by the teacher's ``|y[t_new] - y[t_bnd]|`` or
+    ``|exp y[t_new] - exp y[t_bnd]|``: :func:`kvpop.losses.boundary_loss`)."""
 
     budget: Budget
     recency: float = 0.0

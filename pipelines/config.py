@@ -132,7 +132,7 @@ class TrainConfig:
     beta: float = 1.0  # L = KL + beta * L_ret
     tau: float = 1.0
     recency: float = 0.0
-    loss_weight: str = "none"  # none | margin
+    loss_weight: str = "none"  # none | margin | mass (kvpop.losses.boundary_loss)
     lr: float = 1e-2
     base_lr: float = 1e-5  # for the base model in distill mode
     steps: int = 90  # SmolLM2, S=512, batch 2, mlstm scorer-only: ~3 s a step on 2 CPU cores
@@ -166,7 +166,7 @@ class TrainConfig:
         _require([
             (self.scorer in SCORERS, f"train.scorer: unknown scorer {self.scorer!r}; known: {', '.join(sorted(SCORERS))}"),
             (self.mode in TRAIN_MODES, f"train.mode must be one of {', '.join(TRAIN_MODES)}"),
-            (self.loss_weight in ("none", "margin"), "train.loss_weight must be none or margin"),
+            (self.loss_weight in ("none", "margin", "mass"), "train.loss_weight must be none, margin or mass"),
             (self.strategy in ("auto", "fsdp", "none"), "train.strategy must be auto, fsdp or none"),
             (self.precision in ("auto", "fp32", "bf16"), "train.precision must be auto, fp32 or bf16"),
             (self.precision != "bf16" or self.use_gpu, "train.precision=bf16 is for GPUs: use fp32 (or auto) on CPU"),

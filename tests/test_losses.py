@@ -1,4 +1,5 @@
 """Losses (METHOD §3) against direct per-position references."""
+import math
 import random
 
 import pytest
@@ -22,7 +23,7 @@ def reference_terms(student, teacher, budget, tau):
         z = 1.0 if (teacher[t_new], t_new) > (teacher[t_bnd], t_bnd) else -1.0
         margin = student[t_new] - student[t_bnd]
         terms.append((F.softplus(torch.tensor(-z * margin / tau, dtype=torch.float64)).item(), z, margin,
-                      abs(teacher[t_new] - teacher[t_bnd])))
+                      abs(teacher[t_new] - teacher[t_bnd]), abs(math.exp(teacher[t_new]) - math.exp(teacher[t_bnd]))))
     return terms
 
 
@@ -49,11 +50,14 @@ def test_boundary_loss_matches_reference(size, budget, ties):
             all_terms += reference_terms(student[i, j].tolist(), teacher[i, j].tolist(), budget, tau)
     loss = boundary_loss(student, teacher, budget, tau=tau)
     weighted = boundary_loss(student, teacher, budget, tau=tau, weight="margin")
+    by_mass = boundary_loss(student, teacher, budget, tau=tau, weight="mass")
     dec = boundary_decisions(teacher, budget)
     agree = boundary_agreement(student, dec)
     if not all_terms:
-        assert loss.item() == 0.0 and not torch.isnan(loss) and weighted.item() == 0.0
+        assert loss.item() == 0.0 and not torch.isnan(loss) and weighted.item() == 0.0 and by_mass.item() == 0.0
         return
+    expected_mass = sum(t[0] * t[4] for t in all_terms) / len(all_terms)
+    assert abs(by_mass.item() - expected_mass) <= 1e-6
     expected = sum(t[0] for t in all_terms) / len(all_terms)
     assert abs(loss.item() - expected) <= 1e-6
     expected_w = sum(t[0] * t[3] for t in all_terms) / len(all_terms)

@@ -37,11 +37,20 @@ POLICY_OVERRIDES = {"dms": DMS, "streaming": STREAMING}
     (["train.policy=dms", "train.dms_keep_rate=0"], r"keep-rate must be in \(0, 1\]"),
     (["train.policy=dms", "train.dms_keep_rate=1.5"], r"keep-rate must be in \(0, 1\]"),
     (["train.policy=dms", "train.dms_temperature=0"], "train.dms_temperature must be > 0"),
+    (["train.loss_weight=loud"], "train.loss_weight must be none, margin or mass"),
 ])
 def test_bad_policy_settings_are_one_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         load_config(None, overrides)
     assert "\n" not in str(err.value)
+
+
+def test_the_loss_weight_reaches_the_objective():
+    from pipelines.train import objective_of
+
+    for weight in ("margin", "mass"):
+        assert objective_of(load_config(None, [f"train.loss_weight={weight}"])).weight == weight
+    assert objective_of(load_config(None, [])).weight is None
 
 
 def test_run_names_separate_the_policies_and_keep_the_kvpop_ones():

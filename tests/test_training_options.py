@@ -32,7 +32,7 @@ def test_balanced_boundary_loss_matches_reference(size, budget, ties):
         for j in range(3):
             terms = reference_terms(student[i, j].tolist(), teacher[i, j].tolist(), budget, 0.5)
             n, keeps = len(terms), sum(t[1] > 0 for t in terms)
-            for loss, z, _, _ in terms:
+            for loss, z, *_ in terms:
                 both = 0 < keeps < n
                 weight = (n / (2 * keeps) if z > 0 else n / (2 * (n - keeps))) if both else 1.0
                 total += weight * loss
