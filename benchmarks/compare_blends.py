@@ -60,15 +60,18 @@ def blend_records(path: Path, aliases: dict) -> tuple[dict, int | None]:
 def study_records(spec: str, aliases: dict, B: int | None) -> tuple[dict, int]:
     """The scorer's records of a learning-curves study at the point nearest ``TOKENS`` (``path@TOKENS``), at total
     budget ``B`` (or the study's only one), as rule ``kvpop``."""
+    from benchmarks.compare_studies import kvpop_records, load_point
+
     path, _, tokens = spec.rpartition("@")
     try:
-        study = json.loads(Path(path).read_text())
-        point = min(study["points"], key=lambda p: abs(p["tokens"] - float(tokens)))
-        corpora = {study["meta"]["study"]["source"]: point["records"],
-                   **{name: c["records"] for name, c in point.get("corpora", {}).items()}}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{spec}: not a learning-curves study at a token count ({type(err).__name__}: {err})") \
-            from None
+        tokens = float(tokens)
+    except ValueError:
+        raise ValueError(f"{spec}: give a study as PATH@TOKENS (e.g. learning_curves_x.json@4e6)") from None
+    study, point = load_point(Path(path), tokens)
+    try:
+        corpora = {name or study["meta"]["study"]["source"]: records for name, records in kvpop_records(point).items()}
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{spec}: not a learning-curves study ({type(err).__name__}: {err})") from None
     rows = [(name, r) for name, records in corpora.items() for r in records
             if r.get("policy") == "kvpop" and r.get("part") == "text"]
     budgets = sorted({r["B"] for _, r in rows})
