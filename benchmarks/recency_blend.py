@@ -19,7 +19,7 @@ the long-range slots ranked by the scorer + the scorer's own λ plus each ``--an
 ``kvpop+λ@aSHARE[+λa]``), so that a token the scorer rates highly survives the decay that ranks the other slots;
 each such rule is also paired with ``kvpop+λ``, what the anchors cost or add. Choose λ on some corpora and read it on
 one it was not chosen on. ``--streaming-layers L …``: every kvpop rule with those layers a streaming cache of the
-same B (METHOD §1's per-layer calibration, ``kvpop.set_streaming_layers``), to be chosen on training text. Writes
+same B (METHOD §4's per-layer calibration, ``kvpop.set_streaming_layers``), to be chosen on training text. Writes
 ``<out>/recency_blend_<tag>.{json,md}``.
 
 ``--summarize`` writes the result from the records already committed under the tag (no model, nothing measured; a
