@@ -842,7 +842,7 @@ def run(args) -> dict:
                 other_refs + found, budgets, args.resamples, args.seed, policy="kvpop"),
                 "diagnostics": diagnostics(model, other_ids, [b.topk for b in eval_budgets], args.eval_batch,
                                            other.precompute.target_options())}
-        if getattr(kvpop.scorers(model)[0].config, "head_recency", False):  # the learned λ per layer and KV head
+        if kvpop.scorers(model)[0].config.head_recency:  # the learned λ per layer and KV head
             point["head_recency"] = [(s.head_recency.detach().float().cpu() / HEAD_RECENCY_UNIT).tolist()
                                      for s in kvpop.scorers(model)]
         point["eval_s"] = round(time.perf_counter() - t_eval, 1)
