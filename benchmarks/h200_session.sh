@@ -5,7 +5,7 @@
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
-#    age_norms norms mass balance)
+#    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -238,6 +238,34 @@ run_part() {
                   --loss-options '{"weight": "mass"}' ;;
     balance)    variant balance "0.001 0.002" --scorer-options '{"head_recency": true, "features": "kv_norms"}' \
                   --loss-options '{"balance": true}' ;;
+    # issue 12, fourteenth session: the norms recipe at the committed scorer's scale (11M tokens, 64 items a corpus),
+    # and the same with a wider scorer (4 mLSTM heads per KV head: memory time scales spread over 12 heads, a wider
+    # value and per-token MLP); each ~14 min side by side
+    norms11)    VARIANT_TOKENS=11e6 BLEND_SEQUENCES=64 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} \
+                  variant norms11 "0.002 0.003" --scorer-options '{"features": "kv_norms"}' ;;
+    wide11)     VARIANT_TOKENS=11e6 BLEND_SEQUENCES=64 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} \
+                  variant wide11 "0.002 0.003" \
+                  --scorer-options '{"features": "kv_norms", "num_heads": 4, "v_dim": 64, "mlp_hidden": 128}' ;;
+    # the thirteenth session's kv_norms scorer (4M tokens, committed) blended on all 64 items of each corpus (its 32
+    # committed records seeded: only the rest is measured); ~3 min
+    norms_blend64) mkdir -p "$out/norms_state" && \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_norms_scorer.tgz \
+                    -C "$out/norms_state" && \
+                  cp benchmarks/results/recency_blend_h200_w256_qp16_norms_items.jsonl \
+                    benchmarks/results/recency_blend_h200_w256_qp16_norms_recall.jsonl "$out/" && \
+                  BLEND_SEQUENCES=64 blend "$out/norms_state/step-0000245" h200_w256_qp16_norms 0.002 0.003 ;;
+    # the prose study's TOVA (then H2O) on all 64 held-out items of stdlib and the docs (it ran them on 24): every
+    # comparison against them pairs over 64 afterwards (recency_blend.py --summarize --references-from the output);
+    # TOVA on stdlib first, the comparison the recall + held-out point lacks
+    more_refs)  docs=(/tmp/gpu/python_docs.jsonl --source-file "/tmp/gpu/python_docs.jsonl=${DOCS_NEW:?}")
+                for step in "stdlib tova" "docs tova" "stdlib h2o" "docs h2o"; do
+                  set -- $step
+                  if [ "$1" = docs ]; then corpus=("${docs[@]}"); else corpus=("$1"); fi
+                  python benchmarks/more_references.py \
+                    --study benchmarks/results/learning_curves_h200_w256_qp16_prose.json --corpora "${corpus[@]}" \
+                    --policies "$2" --sequences 64 --device cuda \
+                    --out "$out/learning_curves_h200_w256_qp16_prose_more.json" || break
+                done ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
