@@ -22,8 +22,10 @@ def paired_bootstrap(a, b) -> dict:
 
 
 def format_interval(d: dict, digits: int = 3) -> str:
-    """``+0.012 [+0.004, +0.020] *`` — the star where the interval excludes 0."""
+    """``+0.012 [+0.004, +0.020] *`` — the star where the interval excludes 0 (none over one item: no interval)."""
     if d["n"] == 0:
         return "n/a"
-    mark = "" if d["low"] <= 0 <= d["high"] else " *"
+    if not (math.isfinite(d["low"]) and math.isfinite(d["high"])):
+        return f"{d['mean']:+.{digits}f} (n {d['n']}: no interval)"
+    mark = " *" if d["low"] > 0 or d["high"] < 0 else ""
     return f"{d['mean']:+.{digits}f} [{d['low']:+.{digits}f}, {d['high']:+.{digits}f}]{mark}"

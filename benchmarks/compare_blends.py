@@ -106,7 +106,7 @@ def compare(baseline: dict, candidate: dict, rules: list[str]) -> list[dict]:
                 a = [baseline[corpus, i, rule][metric] for i in ids]
                 b = [candidate[corpus, i, rule][metric] for i in ids]
                 diff = paired_bootstrap(b, a)
-                sign = 0 if diff["low"] <= 0 <= diff["high"] else (1 if diff["mean"] * better > 0 else -1)
+                sign = (1 if diff["mean"] * better > 0 else -1) if diff["low"] > 0 or diff["high"] < 0 else 0
                 out.append({"corpus": corpus, "rule": rule, "metric": metric, "label": label, "n": len(ids),
                             "baseline": sum(a) / len(a), "candidate": sum(b) / len(b), "difference": diff,
                             "verdict": {1: "candidate better", -1: "candidate worse", 0: "not resolved"}[sign]})

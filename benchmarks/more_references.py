@@ -3,25 +3,25 @@
 A study runs TOVA and H2O — token by token through the fixed cache — on its first ``--dynamic-sequences`` held-out
 sequences only (minutes each), so every comparison against them pairs over those few. This measures them on the
 study's next held-out sequences up to ``--sequences`` and writes a copy of the study with those records added (the
-summaries recomputed), which ``recency_blend.py`` / ``compare_blends.py`` / ``learning_curves.py``'s reports read
-like the study itself.
+summaries recomputed), which ``recency_blend.py --references-from`` reads like the study itself.
 
 **Contract.** The study's text, budgets, base and settings are its own (``meta.args``): the sequences are rebuilt
 from its corpus names (``--source-file NAME=PATH``: corpus NAME's text read from another file of the same text).
 Nothing is paired with the study's records unless it is the very same text: where the study kept the held-out
 digests (``meta.heldout_sha256``) they must match before the model loads; in every case streaming is measured on
-each new sequence beside the heuristics and must equal the study's streaming record there (KL and top-1 within
-:data:`STREAMING_TOLERANCE`), else the run stops in one line (exit code 2) before it writes anything of that batch.
+each batch of new sequences first and must equal the study's streaming record there (KL and top-1 within
+:data:`STREAMING_TOLERANCE`), else the run stops in one line (exit code 2) before the heuristics run on that batch.
 The output is written after every batch, atomically; a re-run with the same ``--out`` measures only what is missing.
 
     python benchmarks/more_references.py --study benchmarks/results/learning_curves_h200_w256_qp16_prose.json \\
-        --corpora stdlib /tmp/gpu/python_docs.jsonl --policies tova --sequences 64 --device cuda \\
-        --out benchmarks/results/learning_curves_h200_w256_qp16_prose_tova64.json
+        --corpora stdlib /tmp/gpu/python_docs.jsonl --source-file /tmp/gpu/python_docs.jsonl=<the rebuilt docs> \\
+        --policies tova h2o --sequences 64 --device cuda --out /tmp/r/learning_curves_h200_w256_qp16_prose_more.json
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -95,16 +95,15 @@ def open_study(args) -> tuple[dict, argparse.Namespace]:
 
 
 def heldout_rows(args, own, name: str, tokenizer) -> list[dict]:
-    """Corpus ``name``'s held-out rows as the study built them (read from ``--source-file`` where given); one line
-    (ConfigError) when the study kept their digest and this is other text."""
+    """Corpus ``name``'s held-out rows as the study built them, its text read from ``--source-file`` where given."""
     from benchmarks.learning_curves import study_config
     from pipelines.data import check_inputs, load_sequences
 
-    is_training = name == own.source
-    cfg = study_config(own, max(1, own.train_sequences), None if is_training else
-                       args.source_file.get(name, name))
-    if is_training and name in args.source_file:
-        cfg.data.source = args.source_file[name]
+    source = args.source_file.get(name, name)
+    if name == own.source:  # the training corpus: its config is the study's own
+        cfg = study_config(argparse.Namespace(**{**vars(own), "source": source}), max(1, own.train_sequences))
+    else:
+        cfg = study_config(own, 1, source)
     check_inputs(cfg)
     return load_sequences(cfg, "eval", tokenizer)
 
@@ -119,6 +118,8 @@ def streaming_offset(mine: list[dict], theirs: list[dict], B: int) -> float:
     """The largest |KL| or |top-1| difference between this run's streaming records and the study's at total budget
     ``B``, by item."""
     there = {r["item"]: r for r in theirs if r["policy"] == "streaming" and r["part"] == "text" and r.get("B") == B}
+    if any(r["item"] not in there for r in mine):  # nothing to hold it to: not the study's sequence
+        return math.inf
     return max((abs(r[m] - there[r["item"]][m]) for r in mine for m in ("kl", "top1_agreement")), default=0.0)
 
 

@@ -12,6 +12,8 @@ here is a function of per-item values.
   two separate intervals suggest. ``resolved`` when it excludes 0.
 * **Ratio of means** (e.g. the fraction of the streaming → oracle KL gap a policy closes: ``mean(s - p) /
   mean(s - o)``): the ratio recomputed on each resample, so numerator and denominator stay paired.
+* **One item** has no interval: its bounds are NaN and no difference over it is resolved (a bootstrap of one value
+  would give the zero-width interval ``[x, x]``, which excludes 0 without any evidence).
 * **Items needed** to resolve a difference ``Δ`` with per-item paired SD ``σ``: ``n ≈ (1.96 σ / |Δ|)²`` (the normal
   approximation of the interval's half-width ``1.96 σ / √n``).
 
@@ -146,6 +148,8 @@ class Bootstrap:
         return self.counts @ self._check(values, "values") / self.n
 
     def _bounds(self, resampled: np.ndarray) -> tuple[float, float]:
+        if self.n < 2:  # one item has no spread to resample: no interval (NaN bounds), so nothing is resolved
+            return math.nan, math.nan
         return _bounds_of(resampled, self.probs, self.level)
 
     def mean(self, values) -> Interval:
@@ -170,7 +174,8 @@ class Bootstrap:
             return Interval(math.nan, math.nan, math.nan, self.n)
         top, bottom = self.counts @ num, self.counts @ den
         keep = bottom != 0
-        lo, hi = _bounds_of(top[keep] / bottom[keep], self.probs[keep], self.level)
+        lo, hi = ((math.nan, math.nan) if self.n < 2 else  # one item: no interval (see _bounds)
+                  _bounds_of(top[keep] / bottom[keep], self.probs[keep], self.level))
         return Interval(float(num.mean() / den.mean()), lo, hi, self.n)
 
 

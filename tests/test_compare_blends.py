@@ -95,3 +95,12 @@ def test_sides_that_cannot_be_paired_are_one_line(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err, err
     assert not (tmp_path / "compare_t.json").exists()
+
+
+def test_one_pair_is_no_interval_and_no_verdict():
+    from benchmarks.bootstrap import format_interval, paired_bootstrap
+
+    one = paired_bootstrap([0.3], [0.1])
+    assert one["n"] == 1 and one["mean"] == pytest.approx(0.2)
+    assert format_interval(one) == "+0.200 (n 1: no interval)"
+    assert format_interval(paired_bootstrap([0.3, 0.31, 0.32], [0.1, 0.1, 0.1])).endswith(" *")

@@ -73,8 +73,13 @@ def test_more_sequences_equal_a_study_that_measured_them(tiny_setup, home, studi
     assert json.loads(out.read_text())["more_references"]["added"] == ext["more_references"]["added"]
 
 
-def test_other_text_or_bad_input_is_one_line(tiny_setup, home, studies, tmp_path, capsys):
+def test_other_text_or_bad_input_is_one_line(tiny_setup, home, studies, tmp_path, capsys, monkeypatch):
+    import importlib
+
     from tests.models import write_docs
+
+    # the CLI process sets HF_DATASETS_DISABLE_PROGRESS_BARS before datasets is imported; here it may be already
+    monkeypatch.setattr(importlib.import_module("datasets.utils.tqdm"), "_hf_datasets_progress_bars_disabled", True)
 
     (few, _), other = studies
 
@@ -98,6 +103,12 @@ def test_other_text_or_bad_input_is_one_line(tiny_setup, home, studies, tmp_path
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the model's loading bar
     assert err.startswith("kvpop more_references: error: corpus") and "streaming here differs" in err, err
     assert not (tmp_path / "bad.json").exists()
+    copy = tmp_path / "copy.jsonl"  # the training corpus's own text under another file name: accepted
+    copy.write_bytes((tiny_setup / "docs.jsonl").read_bytes())
+    training = str(tiny_setup / "docs.jsonl")
+    assert more.main(["--study", str(old), "--corpora", training, "--source-file", f"{training}={copy}",
+                      "--sequences", "2", "--device", "cpu", "--out", str(tmp_path / "copy.json")]) == 0
+    assert json.loads((tmp_path / "copy.json").read_text())["more_references"]["added"] == {training: {"tova": 1}}
     assert "has no corpus" in refused("--corpora", "nowhere", "--sequences", "3")
     assert "--sequences must be 1 … 3" in refused("--corpora", str(other), "--sequences", "9")
     stray = tmp_path / "stray.json"

@@ -116,9 +116,11 @@ def test_same_seed_same_interval_and_constant_items():
     assert S.mean_interval(values) == S.mean_interval(values)
     const = S.mean_interval([0.5] * 20)
     assert (const.estimate, const.lo, const.hi) == (0.5, 0.5, 0.5)
-    one = S.mean_interval([0.3])
-    assert (one.lo, one.hi, one.n) == (0.3, 0.3, 1)
-    assert math.isnan(S.paired_difference([0.3], [0.1]).sd)
+    one = S.mean_interval([0.3])  # one item: no interval (a zero-width [0.3, 0.3] would claim certainty)
+    assert one.estimate == 0.3 and one.n == 1 and math.isnan(one.lo) and math.isnan(one.hi)
+    single = S.paired_difference([0.3], [0.1])
+    assert math.isnan(single.sd) and not single.resolved and single.estimate == pytest.approx(0.2)
+    assert math.isnan(S.gap_closed([0.1], [0.3], [0.0]).lo)
 
 
 def test_bad_input_is_a_clear_error():
