@@ -295,3 +295,14 @@ def test_the_workers_must_leave_ray_data_a_cpu(monkeypatch):
         require_resources("2 workers × 2 CPUs", 4.0)
     with pytest.raises(ConfigError, match="needs 2 GPUs; the cluster has 1"):
         require_resources("2 GPU workers", 2.0, 2)
+
+
+def test_the_configs_scorer_options_reach_the_trained_student(tiny_targets, tmp_path):
+    """``train.scorer_options`` (e.g. configs/smollm2_scorer_norms.yaml's ``features: kv_norms``) is what the workers
+    retrofit the student with."""
+    cfg, result = tiny_targets
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, scorer_options={"features": "kv_norms"}))
+    spec = train.make_spec(cfg, store.open_targets(result.path), "options", tmp_path, "")
+    model, _ = build_student(spec)
+    assert {s.config.features for s in kvpop.scorers(model)} == {"kv_norms"}
+    assert all(s.in_features == 2 * s.head_dim + 2 for s in kvpop.scorers(model))
