@@ -5,7 +5,7 @@
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
-#    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs)
+#    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -266,6 +266,11 @@ run_part() {
                     --policies "$2" --sequences 64 --device cuda \
                     --out "$out/learning_curves_h200_w256_qp16_prose_more.json" || break
                 done ;;
+    # issue 12, the next session's first: configs/smollm2_scorer_norms.yaml through its own stages (precompute of
+    # window 256 only, Ray Train, the evaluation stage with TOVA / H2O on 32 items); needs ray + mlflow on the machine
+    # (../shared/tools/gpu-stack.sh --ray); ~12 min alone
+    preset_norms) python -m jobs.pipeline --config configs/smollm2_scorer_norms.yaml --set "precompute.windows=[256]" \
+                  ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_norms" ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
