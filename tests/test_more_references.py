@@ -9,17 +9,9 @@ import pytest
 
 from benchmarks import learning_curves as curves
 from benchmarks import more_references as more
-from tests.test_learning_curves import TOKENS_PER_STEP, argv
+from tests.test_learning_curves import TOKENS_PER_STEP, argv, home  # noqa: F401  (home: the module's KVPOP_HOME)
 
 pytestmark = pytest.mark.pretrained  # SmolLM2's tokenizer (tiny_setup)
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    path = tmp_path_factory.mktemp("home")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("KVPOP_HOME", str(path))
-        yield path
 
 
 def _text(records, policy=None) -> dict:
