@@ -160,7 +160,8 @@ def fp32_region(device: torch.device) -> contextlib.AbstractContextManager:
 
 def token_features(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, eps: float,
                    norms: bool = False) -> torch.Tensor:
-    """[B, H, S, D] keys and values -> [B, H, S, 2D] float32 features `[rms(k); rms(v)]`, detached.
+    """[B, H, S, D] keys and values -> [B, H, S, 2D] float32 features `[rms(k); rms(v)]`, detached (METHOD §4,
+    features).
 
     Detached: the retention loss trains only the scorer (METHOD §3). RMS-normalised separately, without
     parameters: key and value scales vary by orders of magnitude across layers. `norms` appends
