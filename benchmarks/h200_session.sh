@@ -5,7 +5,7 @@
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
-#    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms)
+#    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -271,6 +271,16 @@ run_part() {
     # (../shared/tools/gpu-stack.sh --ray); ~12 min alone
     preset_norms) python -m jobs.pipeline --config configs/smollm2_scorer_norms.yaml --set "precompute.windows=[256]" \
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_norms" ;;
+    # issue 12, next session: a λ per layer for the kv_norms 4M scorer, chosen by coordinate descent on the KL of 8
+    # champ training sequences (benchmarks/layer_recency.py; ~121 KL evaluations, ~1-2 min), then blended on 64
+    # held-out items a corpus with small global λ on top (recency_blend: its rule kvpop is the per-layer one); ~6 min
+    layer_recency) mkdir -p "$out/norms_state" && { ls "$out"/norms_state/step-*/kvpop.json >/dev/null 2>&1 || \
+                  tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_norms_scorer.tgz \
+                    -C "$out/norms_state"; } && \
+                  python benchmarks/layer_recency.py --checkpoint "$out/norms_state/step-0000245" --source champ \
+                    --sequences 8 --device cuda --tag h200_w256_qp16_norms --out "$out" && \
+                  BLEND_SEQUENCES=64 blend "$out/layer_recency_h200_w256_qp16_norms_scorer" \
+                    h200_w256_qp16_norms_layers 0.0005 0.001 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
