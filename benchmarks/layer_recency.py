@@ -170,6 +170,7 @@ def render(result: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
+    from tqdm.auto import tqdm
 
     import kvpop
     from benchmarks.learning_curves import corpus_config
@@ -195,7 +196,13 @@ def main(argv=None) -> int:
     ids = torch.tensor([r["input_ids"] for r in rows], dtype=torch.long, device=args.device)
     with torch.no_grad():
         calibration = Calibration(model, ids[:args.sequences], args.batch)
-        found = coordinate_descent(calibration.kl, calibration.layers, args.grid, args.start, args.sweeps)
+        trials = len([g for g in args.grid if g != args.start])  # per layer in the first sweep (at most, later)
+        with tqdm(total=1 + args.sweeps * calibration.layers * trials, desc="layer_recency", unit="KL") as bar:
+            def kl(lambdas):
+                bar.update(1)
+                return calibration.kl(lambdas)
+
+            found = coordinate_descent(kl, calibration.layers, args.grid, args.start, args.sweeps)
         validation = Calibration(model, ids[args.sequences:], args.batch)
         checked = {"start": validation.kl([args.start] * validation.layers),
                    "calibrated": validation.kl(found["lambdas"])}
