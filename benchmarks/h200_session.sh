@@ -271,14 +271,14 @@ run_part() {
     # (../shared/tools/gpu-stack.sh --ray); ~12 min alone
     preset_norms) python -m jobs.pipeline --config configs/smollm2_scorer_norms.yaml --set "precompute.windows=[256]" \
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_norms" ;;
-    # issue 12, next session: a λ per layer for the kv_norms 4M scorer, chosen by coordinate descent on the KL of 8
+    # issue 12, next session: a λ per layer for the kv_norms 4M scorer, chosen by coordinate descent on the KL of 16
     # champ training sequences (benchmarks/layer_recency.py; ~121 KL evaluations, ~1-2 min), then blended on 64
     # held-out items a corpus with small global λ on top (recency_blend: its rule kvpop is the per-layer one); ~6 min
     layer_recency) mkdir -p "$out/norms_state" && { ls "$out"/norms_state/step-*/kvpop.json >/dev/null 2>&1 || \
                   tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_norms_scorer.tgz \
                     -C "$out/norms_state"; } && \
                   python benchmarks/layer_recency.py --checkpoint "$out/norms_state/step-0000245" --source champ \
-                    --sequences 8 --device cuda --tag h200_w256_qp16_norms --out "$out" && \
+                    --sequences 16 --device cuda --tag h200_w256_qp16_norms --out "$out" && \
                   BLEND_SEQUENCES=64 blend "$out/layer_recency_h200_w256_qp16_norms_scorer" \
                     h200_w256_qp16_norms_layers 0.0005 0.001 ;;
     *)          echo "unknown part $part"; false ;;
