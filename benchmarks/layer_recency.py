@@ -17,8 +17,6 @@ Writes ``<out>/layer_recency_<tag>.{json,md}`` and the scorer folder ``<out>/lay
 """
 from __future__ import annotations
 
-import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -55,21 +53,15 @@ def parse_args(argv=None):
 
 
 def load_with_layer_recency(folder: Path, meta: dict, cfg, device: str):
-    """The saved scorer on its base (as :func:`benchmarks.learning_curves.load_saved_scorer` loads it) with a
-    per-head recency term added, 0 until :func:`set_layer_recency`. The checkpoint's weights must fit exactly but
-    for that term (ValueError otherwise)."""
-    import torch
+    """The saved scorer on its base (:func:`benchmarks.learning_curves.retrofitted_base`) with a per-head recency
+    term added, 0 until :func:`set_layer_recency`. The checkpoint's weights must fit exactly but for that term
+    (ValueError otherwise)."""
     from safetensors.torch import load_file
 
-    import kvpop
-    from kvpop.pretrained import load_pretrained
+    from benchmarks.learning_curves import retrofitted_base
     from kvpop.retrofit import attention_modules
 
-    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model, _ = load_pretrained(cfg.model.resolved_path(), dtype=dtype, device=device)
-    options = {k: v for k, v in meta["scorer"].items() if k != "name"}
-    kvpop.retrofit(model, kvpop.Budget(**meta["budget"]), scorer=meta["scorer"]["name"], policy=meta["policy"],
-                   recency=meta["recency"], scorer_options={**options, "head_recency": True})
+    model = retrofitted_base(meta, cfg, device, scorer_options={"head_recency": True})
     weights = load_file(str(folder / "kvpop_scorers.safetensors"))
     for i, module in enumerate(attention_modules(model)):
         prefix = f"layers.{i}."
@@ -78,9 +70,7 @@ def load_with_layer_recency(folder: Path, meta: dict, cfg, device: str):
         if unexpected or list(missing) != ["head_recency"]:
             raise ValueError(f"{folder}: layer {i}'s scorer weights do not fit (missing {list(missing)}, "
                              f"unexpected {list(unexpected)})")
-    kvpop.set_window_attention_prior(model, bool(meta.get("window_attention_prior", False)))
-    kvpop.set_streaming_layers(model, meta.get("streaming_layers", ()))
-    return model.eval()
+    return model
 
 
 def set_layer_recency(model, lambdas: list[float]) -> None:

@@ -213,9 +213,10 @@ def budgets_for(args):
     return train, evals, unreachable
 
 
-def load_saved_scorer(folder, meta: dict, cfg, device: str = "cpu"):
-    """A saved scorer folder (``kvpop.json`` ``meta`` + ``kvpop_scorers.safetensors``) retrofitted onto ``cfg``'s base
-    model (bf16 on CUDA, fp32 else), in eval mode, with the prior and streaming layers it was saved with."""
+def retrofitted_base(meta: dict, cfg, device: str = "cpu", scorer_options: dict | None = None):
+    """``cfg``'s base model (bf16 on CUDA, fp32 else) retrofitted as the scorer folder's ``kvpop.json`` ``meta``
+    says — budget, policy, recency, untrained scorers (``scorer_options`` added to its own), the prior and streaming
+    layers — in eval mode; the scorer weights are not loaded."""
     import torch
 
     import kvpop
@@ -224,12 +225,21 @@ def load_saved_scorer(folder, meta: dict, cfg, device: str = "cpu"):
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, _ = load_pretrained(cfg.model.resolved_path(), dtype=dtype, device=device)
+    options = {**{k: v for k, v in meta["scorer"].items() if k != "name"}, **(scorer_options or {})}
     kvpop.retrofit(model, kvpop.Budget(**meta["budget"]), scorer=meta["scorer"]["name"], policy=meta["policy"],
-                   recency=meta["recency"], scorer_options={k: v for k, v in meta["scorer"].items() if k != "name"})
-    kvpop.load_scorers(model, folder)
+                   recency=meta["recency"], scorer_options=options)
     kvpop.set_window_attention_prior(model, bool(meta.get("window_attention_prior", False)))
     kvpop.set_streaming_layers(model, meta.get("streaming_layers", ()))
     return model.eval()
+
+
+def load_saved_scorer(folder, meta: dict, cfg, device: str = "cpu"):
+    """A saved scorer folder (``kvpop.json`` ``meta`` + ``kvpop_scorers.safetensors``) on :func:`retrofitted_base`."""
+    import kvpop
+
+    model = retrofitted_base(meta, cfg, device)
+    kvpop.load_scorers(model, folder)
+    return model
 
 
 def corpus_config(model: str, source: str, seq_len: int, budget: dict, query_power: float, eval_sequences: int,
@@ -538,6 +548,14 @@ def reference_study(path: Path, settings: dict) -> dict:
     return saved
 
 
+def reference_records(study: dict, training: str | None = None) -> dict[str, list[dict]]:
+    """A finished study's reference records per corpus: its training corpus's (under ``training``, default its
+    source name), then each ``--eval-sources``'."""
+    name = study["meta"]["study"]["source"] if training is None else training
+    return {name: study["references"]["records"],
+            **{source: c["references"]["records"] for source, c in study.get("corpora", {}).items()}}
+
+
 def reusable_references(saved: dict, settings: dict, runs, corpora: list[str]) -> tuple[dict, dict, dict]:
     """Per corpus of this run (``""``: the training corpus, then its ``--eval-sources``), from a finished study
     (:func:`reference_study`): ``(records, runs left, reused)`` — the saved reference records of each run in ``runs``
@@ -547,8 +565,7 @@ def reusable_references(saved: dict, settings: dict, runs, corpora: list[str]) -
     from kvpop.policies import build_policy
 
     theirs = {**SAVED_BEFORE, **saved["meta"]["study"]}
-    measured = {"": saved["references"]["records"],
-                **{source: c["references"]["records"] for source, c in saved.get("corpora", {}).items()}}
+    measured = reference_records(saved, training="")
     records, left, reused = {}, {}, {}
     for name in corpora:
         rows = measured.get(name, [])

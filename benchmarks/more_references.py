@@ -63,9 +63,10 @@ def parse_args(argv=None):
 
 
 def corpus_records(study: dict) -> dict[str, list[dict]]:
-    """``{corpus name: its reference records}``: the training corpus's, then each ``--eval-sources``'."""
-    return {study["meta"]["study"]["source"]: study["references"]["records"],
-            **{name: c["references"]["records"] for name, c in study.get("corpora", {}).items()}}
+    """``{corpus name: its reference records}`` (:func:`benchmarks.learning_curves.reference_records`)."""
+    from benchmarks.learning_curves import reference_records
+
+    return reference_records(study)
 
 
 def open_study(args) -> tuple[dict, argparse.Namespace]:

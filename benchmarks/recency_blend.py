@@ -236,10 +236,10 @@ def study_references(path: Path, sources: list[str], B: int, aliases: dict | Non
     """Per corpus of ``sources`` that the study at ``path`` evaluated: ``{policy: {sequence id: record}}`` of its
     text records at total budget ``B`` (streaming, TOVA, H2O, the oracle); ``aliases``: {source: the study's name for
     the same corpus}. ValueError if it is not a study."""
+    from benchmarks.learning_curves import reference_records
+
     try:
-        study = json.loads(Path(path).read_text())
-        measured = {study["meta"]["study"]["source"]: study["references"]["records"],
-                    **{name: c["references"]["records"] for name, c in study.get("corpora", {}).items()}}
+        measured = reference_records(json.loads(Path(path).read_text()))
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"--references-from {path}: not a learning-curves study ({type(err).__name__}: {err})") \
             from None
