@@ -5,7 +5,8 @@
 #   (default parts: gputests decode model quality decode_dense kernels; more: precompute calibrate eval baselines
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
-#    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency)
+#    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
+#    norms192)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -61,6 +62,18 @@ blend() {
     --sources champ stdlib "${DOCS_NEW:?}" --reference-source "${DOCS_NEW}=/tmp/gpu/python_docs.jsonl" \
     --recency "$@" --recall-tasks niah_single niah_single_essay niah_multikey_2 --recall-samples 8 \
     --tag "$tag" --out "$out" --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json
+}
+# split_variant W K: the kv_norms w256 recipe at s4-wW-kK (B = 512) to VARIANT_TOKENS (8M), tag h200_wW_qp16_norms_at512,
+# with the oracle of its own split in the blend
+split_variant() {
+  local tag=h200_w$1_qp16_norms_at512
+  python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
+    --train-sequences 5120 --save-state "$out/norms$1_state" --window "$1" --topk "$2" --eval-topks "$2" \
+    --query-power 16 --checkpoints "${VARIANT_TOKENS:-8e6}" --eval-sequences 64 --dynamic-sequences 0 \
+    --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
+    --recall-tasks niah_single niah_single_essay niah_multikey_2 \
+    --scorer-options '{"features": "kv_norms"}' --tag "$tag" && \
+  BLEND_SEQUENCES=64 blend "$(ls -d "$out/norms$1_state"/step-* | tail -1)" "$tag" 0.002 0.003 0.005 --oracle
 }
 run_part() {
   local part=$1
@@ -281,6 +294,17 @@ run_part() {
                     --sequences 16 --device cuda --tag h200_w256_qp16_norms --out "$out" && \
                   BLEND_SEQUENCES=64 blend "$out/layer_recency_h200_w256_qp16_norms_scorer" \
                     h200_w256_qp16_norms_layers 0.0005 0.001 ;;
+    # issue 12, fifteenth session: the committed w128 scorer (trained at s4-w128-k380 = B 512, 30M tokens) at its own
+    # training budget, CR 87.5 %, with the recency term: 128 protected tokens and 380 ranked, where the w256 scorer
+    # has 256 and 252 — the split that met the held-out point at CR 93.75 %. The oracle in this frame too (--oracle:
+    # w = 128 targets); TOVA / H2O from the prose study (B = 512); ~6 min
+    w128_512)   unpack w128 && BLEND_SEQUENCES=64 blend "$out/rb256/step-0001832" h200_w128_qp16_at512 \
+                  0.002 0.003 0.005 --topk 380 --oracle ;;
+    # beside it: the kv_norms recipe in that split and in the one between (s4-w192-k316), each trained to 8M tokens
+    # (champ's own references measured by the study, TOVA / H2O paired from the prose study in the blend), then
+    # blended like w128_512; ~14 min each, side by side
+    norms128)   split_variant 128 380 ;;
+    norms192)   split_variant 192 316 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
