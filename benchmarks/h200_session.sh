@@ -63,17 +63,18 @@ blend() {
     --recency "$@" --recall-tasks niah_single niah_single_essay niah_multikey_2 --recall-samples 8 \
     --tag "$tag" --out "$out" --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json
 }
-# split_variant W K: the kv_norms w256 recipe at s4-wW-kK (B = 512) to VARIANT_TOKENS (8M), tag h200_wW_qp16_norms_at512,
-# with the oracle of its own split in the blend
+# split_variant W K: the kv_norms w256 recipe at s4-wW-kK (B = 512) to VARIANT_TOKENS (4M, as the w256 norms scorer),
+# tag h200_wW_qp16_norms_at512, evaluated on 32 held-out items, with the oracle of its own split in the blend
 split_variant() {
   local tag=h200_w$1_qp16_norms_at512
-  python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
+  python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-420}" \
     --train-sequences 5120 --save-state "$out/norms$1_state" --window "$1" --topk "$2" --eval-topks "$2" \
-    --query-power 16 --checkpoints "${VARIANT_TOKENS:-8e6}" --eval-sequences 64 --dynamic-sequences 0 \
+    --query-power 16 --checkpoints "${VARIANT_TOKENS:-4e6}" --eval-sequences 32 --dynamic-sequences 0 \
     --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
     --recall-tasks niah_single niah_single_essay niah_multikey_2 \
     --scorer-options '{"features": "kv_norms"}' --tag "$tag" && \
-  BLEND_SEQUENCES=64 blend "$(ls -d "$out/norms$1_state"/step-* | tail -1)" "$tag" 0.002 0.003 0.005 --oracle
+  BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$(ls -d "$out/norms$1_state"/step-* | tail -1)" "$tag" \
+    0.002 0.003 0.005 --oracle
 }
 run_part() {
   local part=$1
@@ -284,25 +285,27 @@ run_part() {
     # (../shared/tools/gpu-stack.sh --ray); ~12 min alone
     preset_norms) python -m jobs.pipeline --config configs/smollm2_scorer_norms.yaml --set "precompute.windows=[256]" \
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_norms" ;;
-    # issue 12, next session: a λ per layer for the kv_norms 4M scorer, chosen by coordinate descent on the KL of 16
-    # champ training sequences (benchmarks/layer_recency.py; ~121 KL evaluations, ~1-2 min), then blended on 64
-    # held-out items a corpus with small global λ on top (recency_blend: its rule kvpop is the per-layer one); ~6 min
+    # issue 12, fifteenth session: a λ per layer for the kv_norms 4M scorer, chosen by coordinate descent on the KL of
+    # 16 champ training sequences (benchmarks/layer_recency.py; 121 KL evaluations, 5 min sharing the GPU), then
+    # blended on 32 held-out items a corpus with small global λ on top (recency_blend: its rule kvpop is the per-layer
+    # one); ~10 min
     layer_recency) mkdir -p "$out/norms_state" && { ls "$out"/norms_state/step-*/kvpop.json >/dev/null 2>&1 || \
                   tar xzf benchmarks/results/checkpoints/learning_curves_h200_w256_qp16_norms_scorer.tgz \
                     -C "$out/norms_state"; } && \
                   python benchmarks/layer_recency.py --checkpoint "$out/norms_state/step-0000245" --source champ \
                     --sequences 16 --device cuda --tag h200_w256_qp16_norms --out "$out" && \
-                  BLEND_SEQUENCES=64 blend "$out/layer_recency_h200_w256_qp16_norms_scorer" \
+                  BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$out/layer_recency_h200_w256_qp16_norms_scorer" \
                     h200_w256_qp16_norms_layers 0.0005 0.001 ;;
     # issue 12, fifteenth session: the committed w128 scorer (trained at s4-w128-k380 = B 512, 30M tokens) at its own
     # training budget, CR 87.5 %, with the recency term: 128 protected tokens and 380 ranked, where the w256 scorer
     # has 256 and 252 — the split that met the held-out point at CR 93.75 %. The oracle in this frame too (--oracle:
     # w = 128 targets); TOVA / H2O from the prose study (B = 512); ~6 min
-    w128_512)   unpack w128 && BLEND_SEQUENCES=64 blend "$out/rb256/step-0001832" h200_w128_qp16_at512 \
+    w128_512)   unpack w128 && BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$out/rb256/step-0001832" h200_w128_qp16_at512 \
                   0.002 0.003 0.005 --topk 380 --oracle ;;
-    # beside it: the kv_norms recipe in that split and in the one between (s4-w192-k316), each trained to 8M tokens
+    # beside it: the kv_norms recipe in that split and in the one between (s4-w192-k316), each trained to 4M tokens
     # (champ's own references measured by the study, TOVA / H2O paired from the prose study in the blend), then
-    # blended like w128_512; ~14 min each, side by side
+    # blended like w128_512. Fifteenth session: w128_512, layer_recency and norms128 side by side, 15:05-15:20 (the
+    # blends on 64 items took ~8 s an item with four parts sharing: 32 is what fits one session; norms192 not run)
     norms128)   split_variant 128 380 ;;
     norms192)   split_variant 192 316 ;;
     *)          echo "unknown part $part"; false ;;

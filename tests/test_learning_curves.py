@@ -299,6 +299,24 @@ def test_other_heldout_text_under_the_same_name_is_refused(tiny_setup, home, tmp
     assert not (tmp_path / "changed" / "learning_curves_t.json").exists()
 
 
+def test_recency_blend_rules_take_the_oracle_recency_apart():
+    """``--oracle-recency`` names the oracle+λ rules (default: each ``--recency`` λ; none given: the oracle alone);
+    without ``--oracle`` or with a negative λ it is refused (exit 2)."""
+    from benchmarks import recency_blend
+
+    base = ["--checkpoint", "x", "--recency", "0.002", "0.003", "--oracle"]
+    kvpop = ["streaming", "kvpop", "kvpop+0.002", "kvpop+0.003"]
+    assert recency_blend.rules_of(recency_blend.parse_args(base)) == [*kvpop, "oracle", "oracle+0.002", "oracle+0.003"]
+    assert recency_blend.rules_of(recency_blend.parse_args([*base, "--oracle-recency"])) == [*kvpop, "oracle"]
+    assert recency_blend.rules_of(recency_blend.parse_args([*base, "--oracle-recency", "0.001"])) == [
+        *kvpop, "oracle", "oracle+0.001"]
+    for bad in (["--checkpoint", "x", "--recency", "0.002", "--oracle-recency", "0.001"], [*base, "--oracle-recency",
+                                                                                           "-0.001"]):
+        with pytest.raises(SystemExit) as exit_:
+            recency_blend.parse_args(bad)
+        assert exit_.value.code == 2
+
+
 def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setup, home, saved, tmp_path, capsys,
                                                                        monkeypatch):
     """``benchmarks/recency_blend.py``: λ = 0 is the scorer's own ranking, a λ that outweighs every score keeps the
@@ -351,9 +369,12 @@ def test_recency_blend_of_a_saved_scorer_spans_the_scorer_to_streaming(tiny_setu
     assert "streaming here − there" in (tmp_path / "recency_blend_at32.md").read_text()
     # --oracle: the oracle computed here is the study's (all of its gap), and one that outweighs every target streaming
     assert recency_blend.main([*common[:-1], "or32", "--topk", "22", "--recency", "1e6", "--oracle", "--query-power",
-                               "1", "--references-from", str(study)]) == 0
+                               "1", "--references-from", str(study), *recall]) == 0
     oracle = json.loads((tmp_path / "recency_blend_or32.json").read_text())
     assert oracle["rules"] == ["streaming", "kvpop", "kvpop+1e+06", "oracle", "oracle+1e+06"]
+    # recall has no oracle rules (the oracle's targets are of the held-out text): its table leaves them out
+    assert sorted(oracle["recall"]["exact"]) == ["dense", "kvpop", "kvpop+1e+06", "streaming"]
+    assert "| exact | kvpop+1e+06 |" in (tmp_path / "recency_blend_or32.md").read_text()
     cell = oracle["versus_references"][str(tiny_setup / "docs.jsonl")]
     assert cell["gap:oracle"]["mean"] == pytest.approx(1, abs=1e-3)
     assert cell["gap:oracle+1e+06"]["mean"] == pytest.approx(0, abs=1e-3)
