@@ -299,9 +299,9 @@ run_part() {
     # issue 12, fifteenth session: the committed w128 scorer (trained at s4-w128-k380 = B 512, 30M tokens) at its own
     # training budget, CR 87.5 %, with the recency term: 128 protected tokens and 380 ranked, where the w256 scorer
     # has 256 and 252 — the split that met the held-out point at CR 93.75 %. The oracle in this frame too (--oracle:
-    # w = 128 targets); TOVA / H2O from the prose study (B = 512); ~6 min
-    w128_512)   unpack w128 && BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$out/rb256/step-0001832" h200_w128_qp16_at512 \
-                  0.002 0.003 0.005 --topk 380 --oracle ;;
+    # w = 128 targets); TOVA / H2O from the prose study (B = 512); ~10 min beside two other parts
+    w128_512)   unpack w128 && BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$out/rb256/step-0001832" \
+                  h200_w128_qp16_at512 0.002 0.003 0.005 --topk 380 --oracle ;;
     # beside it: the kv_norms recipe in that split and in the one between (s4-w192-k316), each trained to 4M tokens
     # (champ's own references measured by the study, TOVA / H2O paired from the prose study in the blend), then
     # blended like w128_512. Fifteenth session: w128_512, layer_recency and norms128 side by side, 15:05-15:20 (the
