@@ -6,7 +6,7 @@
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
-#    norms192)
+#    norms192 train768 multik)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -42,7 +42,7 @@ seed() {
 }
 # variant TAG "λ …" [learning_curves options]: the prose study's w256 β = 16 recipe with those options, trained to
 # VARIANT_TOKENS (champ's references and recall settings reused), then its recency blend at those λ on champ, stdlib
-# and the rebuilt docs
+# and the rebuilt docs (BLEND_ARGS: more recency_blend options)
 variant() {
   local tag=$1 lambdas=$2; shift 2
   python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
@@ -51,7 +51,7 @@ variant() {
     --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
     --recall-tasks niah_single niah_single_essay niah_multikey_2 \
     --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json --tag "h200_w256_qp16_$tag" "$@" && \
-  blend "$(ls -d "$out/${tag}_state"/step-*)" "h200_w256_qp16_$tag" $lambdas
+  blend "$(ls -d "$out/${tag}_state"/step-*)" "h200_w256_qp16_$tag" $lambdas ${BLEND_ARGS:-}
 }
 # blend CHECKPOINT TAG λ… [more recency_blend options]: a B = 512 scorer's recency blend on champ, stdlib and the
 # rebuilt docs, BLEND_SEQUENCES each (32: a re-run with 64 measures only the rest), the recall cells at 2k, paired
@@ -308,6 +308,12 @@ run_part() {
     # blends on 64 items took ~8 s an item with four parts sharing: 32 is what fits one session; norms192 not run)
     norms128)   split_variant 128 380 ;;
     norms192)   split_variant 192 316 ;;
+    # issue 12, the next session's: the kv_norms recipe trained at a larger budget than it is evaluated at — at
+    # s4-w256-k508 (B = 768) alone, or at k 124, 252 and 508 at once (retention_loss topks) — to 4M tokens, then
+    # blended at s4-w256-k252 (CR 87.5 %) like the other variants; ~12 min each beside one other part
+    train768)   BLEND_ARGS="--topk 252" variant train768 "0.002 0.003" --scorer-options '{"features": "kv_norms"}' \
+                  --topk 508 ;;
+    multik)     variant multik "0.002 0.003" --scorer-options '{"features": "kv_norms"}' --train-topks 124 508 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
