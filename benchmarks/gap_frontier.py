@@ -14,7 +14,6 @@ the same items). Rules without such a gap on all three corpora are left out.
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -46,14 +45,6 @@ def corpus_name(source: str) -> str:
     return "docs" if "python_docs" in source else source
 
 
-def total_budget(split: str) -> int:
-    """``s4-w256-k252`` -> 512."""
-    found = re.fullmatch(r"s(\d+)-w(\d+)-k(\d+)", split)
-    if not found:
-        raise ValueError(f"not a budget split: {split!r}")
-    return sum(int(x) for x in found.groups())
-
-
 def scorer_name(checkpoint: str) -> str:
     """A scorer folder by its last two parts (``rb256/step-0001832``): the runs unpack one committed scorer under
     several roots (``/tmp/r``, ``/tmp/r2``)."""
@@ -63,12 +54,14 @@ def scorer_name(checkpoint: str) -> str:
 def collect(folder: Path, B: int) -> list[dict]:
     """One row per rule at total budget ``B``: its label, gap per corpus ``{mean, low, high, n, file}`` and headline
     recall ``{exact, n, dense}`` (None where no result has them)."""
+    from kvpop import Budget
+
     rules: dict[tuple, dict] = {}
     for path in sorted(folder.glob("recency_blend_*.json")):
         if path.stem.endswith("_cpu") or "_cpu_" in path.stem:
             continue
         result = json.loads(path.read_text())
-        if total_budget(result["budget"]) != B:
+        if Budget.parse(result["budget"]).total != B:
             continue
         tag = path.stem.removeprefix("recency_blend_")
         recall = result.get("recall") or {}

@@ -1,6 +1,7 @@
 """The per-KV-head cache budget of METHOD §1: sinks + protected window + learned long-range slots."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -41,6 +42,14 @@ class Budget:
         if topk < 0:
             raise ValueError(f"budget total {total} is smaller than sink + window = {sink + window}")
         return cls(sink, window, topk)
+
+    @classmethod
+    def parse(cls, label: str) -> "Budget":
+        """The budget a :meth:`__str__` label names (``s4-w256-k252``); ValueError for anything else."""
+        found = re.fullmatch(r"s(\d+)-w(\d+)-k(\d+)", str(label))
+        if not found:
+            raise ValueError(f"not a budget split s<sink>-w<window>-k<topk>: {label!r}")
+        return cls(*(int(x) for x in found.groups()))
 
     def __str__(self) -> str:
         return f"s{self.sink}-w{self.window}-k{self.topk}"

@@ -65,3 +65,11 @@ def test_compression_ratio():
     assert b.compression_ratio(4096) == pytest.approx(0.75)
     assert Budget.from_total(512, sink=4, window=128).compression_ratio(4096) == pytest.approx(0.875)
     assert b.compression_ratio(1024) == pytest.approx(0.0)
+
+
+def test_parse_is_the_inverse_of_str():
+    for b in (Budget(4, 256, 252), Budget(0, 1, 0), Budget(16, 1024, 3072)):
+        assert Budget.parse(str(b)) == b
+    for bad in ("w256", "s4-w256", "s4-w256-k252 ", "s-1-w2-k3", "s4-w0-k2"):
+        with pytest.raises(ValueError):
+            Budget.parse(bad)
