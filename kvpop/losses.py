@@ -162,14 +162,24 @@ def check_retention_options(options: dict) -> dict:
     return out
 
 
+def retention_budgets(budget: Budget, topks=()) -> list[Budget]:
+    """``budget`` and, once each, the budgets of the same sink and window at every other long-range size in
+    ``topks``: the budgets whose boundary losses :func:`retention_loss` averages."""
+    extra = dict.fromkeys(int(k) for k in topks if int(k) != budget.topk)
+    return [budget] + [Budget(budget.sink, budget.window, k) for k in extra]
+
+
 def retention_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budget, *, tau: float = 1.0,
                    weight: str | None = None, balance: bool = False, topks=(), random_pairs: int = 0,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None,
+                   decisions: BoundaryDecisions | None = None) -> torch.Tensor:
     """The retention objective with its options: :func:`boundary_loss` at ``budget`` and at every extra long-range
     size in ``topks`` (same sink and window: the cache is evaluated at several budgets, and each ``k`` has its own
-    cutoff), averaged; plus, with ``random_pairs``, :func:`random_pair_loss` as one more equal part."""
-    budgets = [budget] + [Budget(budget.sink, budget.window, int(k)) for k in topks if int(k) != budget.topk]
-    parts = [boundary_loss(student, teacher, b, tau=tau, weight=weight, balance=balance) for b in budgets]
+    cutoff), averaged; plus, with ``random_pairs``, :func:`random_pair_loss` as one more equal part. ``decisions``:
+    the teacher's at ``budget``, where the caller has them already (the other budgets' are derived here)."""
+    budgets = retention_budgets(budget, topks)
+    parts = [boundary_loss(student, teacher, b, tau=tau, weight=weight, balance=balance,
+                           decisions=decisions if b == budget else None) for b in budgets]
     if random_pairs:
         parts.append(random_pair_loss(student, teacher, budget, pairs=random_pairs, tau=tau, generator=generator))
     return torch.stack(parts).mean()

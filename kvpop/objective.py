@@ -2,7 +2,9 @@
 
 * ``L_ret`` is :func:`kvpop.losses.boundary_loss` of the student's priorities against the teacher's priorities over
   every layer × KV head, where the teacher's priority is its future-attention target plus the same recency term the
-  student's policy ranks by (:func:`kvpop.retention.with_recency`, the one implementation both use).
+  student's policy ranks by (:func:`kvpop.retention.with_recency`, the one implementation both use); with
+  ``extra_topks``, averaged with the same loss at those long-range sizes (:func:`kvpop.losses.retention_loss`,
+  METHOD §3 "several budgets").
 * ``KL_topK`` is :func:`kvpop.losses.topk_kl` against the teacher's top-K logits at the positions ``d >= B`` (the
   ones at which eviction has happened; before them the student's mask is the dense one).
 * ``boundary_acc`` is the fraction of the teacher's keep/evict decisions the student reproduces.
@@ -25,7 +27,7 @@ from torch import nn
 
 from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule, dms_loss, retained_stats
-from kvpop.losses import boundary_agreement, boundary_decisions, boundary_loss, topk_kl
+from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss, topk_kl
 from kvpop.retention import with_recency
 from kvpop.retrofit import collect_priorities, runtime_of
 
@@ -53,13 +55,15 @@ def student_forward(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Te
 class Objective:
     """``L = KL_topK + beta · L_ret`` for a budget and a recency term (METHOD §3); ``tau`` the pairwise temperature,
     ``weight`` ``None``, ``"margin"`` or ``"mass"`` (each term weighted by the teacher's ``|y[t_new] - y[t_bnd]|`` or
-    ``|exp y[t_new] - exp y[t_bnd]|``: :func:`kvpop.losses.boundary_loss`)."""
+    ``|exp y[t_new] - exp y[t_bnd]|``: :func:`kvpop.losses.boundary_loss`); ``extra_topks`` more long-range sizes
+    whose boundary losses ``L_ret`` averages with ``budget``'s (``boundary_acc`` stays ``budget``'s)."""
 
     budget: Budget
     recency: float = 0.0
     beta: float = 1.0
     tau: float = 1.0
     weight: str | None = None
+    extra_topks: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.recency < 0 or self.beta < 0 or self.tau <= 0:
@@ -67,6 +71,8 @@ class Objective:
                              f"beta={self.beta}, tau={self.tau}")
         if self.weight not in WEIGHTS:
             raise ValueError(f"Objective.weight must be one of {WEIGHTS}, got {self.weight!r}")
+        if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in self.extra_topks):
+            raise ValueError(f"Objective.extra_topks must be long-range sizes >= 1, got {self.extra_topks!r}")
 
     @classmethod
     def for_model(cls, model: nn.Module, **options) -> "Objective":
@@ -84,7 +90,8 @@ class Objective:
         ``boundary_acc`` (scalar tensors; ``loss`` carries the gradient)."""
         teacher = with_recency(teacher_targets.float(), self.recency)
         decisions = boundary_decisions(teacher, self.budget)
-        ret = boundary_loss(student, teacher, self.budget, tau=self.tau, weight=self.weight, decisions=decisions)
+        ret = retention_loss(student, teacher, self.budget, tau=self.tau, weight=self.weight, topks=self.extra_topks,
+                             decisions=decisions)
         kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting(logits, self.budget))
         with torch.no_grad():
             accuracy = boundary_agreement(student.detach(), decisions)

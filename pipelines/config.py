@@ -133,6 +133,8 @@ class TrainConfig:
     tau: float = 1.0
     recency: float = 0.0
     loss_weight: str = "none"  # none | margin | mass (kvpop.losses.boundary_loss)
+    extra_topks: tuple[int, ...] = ()  # more long-range sizes trained at once (same sink + window): L_ret averages
+    #                                    their boundary losses with budget.topk's (METHOD §3, several budgets)
     lr: float = 1e-2
     base_lr: float = 1e-5  # for the base model in distill mode
     steps: int = 90  # SmolLM2, S=512, batch 2, mlstm scorer-only: ~3 s a step on 2 CPU cores
@@ -156,7 +158,8 @@ class TrainConfig:
     dms_keep_weight: float = 1.0  # policy dms: weight of the one-sided keep-rate penalty
 
     DMS_KEYS: ClassVar[tuple[str, ...]] = ("dms_keep_rate", "dms_schedule_steps", "dms_temperature", "dms_keep_weight")
-    KVPOP_KEYS: ClassVar[tuple[str, ...]] = ("scorer", "scorer_options", "beta", "tau", "recency", "loss_weight")
+    KVPOP_KEYS: ClassVar[tuple[str, ...]] = ("scorer", "scorer_options", "beta", "tau", "recency", "loss_weight",
+                                             "extra_topks")
     # settings that do not change what is optimised: left out of the run-name hash so a restart resumes
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
         "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "checkpoint_every",
@@ -175,6 +178,8 @@ class TrainConfig:
             (self.steps >= 1 and self.batch_size >= 1, "train.steps and train.batch_size must be >= 1"),
             (self.tau > 0 and self.lr > 0, "train.tau and train.lr must be > 0"),
             (self.recency >= 0, "train.recency must be >= 0"),
+            (all(k >= 1 for k in self.extra_topks), "train.extra_topks must be long-range sizes >= 1"),
+            (not self.extra_topks or self.policy == "kvpop", "train.extra_topks is for train.policy=kvpop"),
             (self.cpus_per_worker > 0, "train.cpus_per_worker must be > 0"),
             (self.policy in TRAIN_POLICIES, f"train.policy must be one of {', '.join(TRAIN_POLICIES)}"),
             (self.policy != "streaming" or self.mode == "distill",
@@ -214,9 +219,10 @@ class TrainConfig:
     def optimisation(self) -> dict[str, Any]:
         """The settings that change what is optimised (everything but :attr:`OPERATIONAL`; the policy and the DMS
         settings only where they apply — a kvpop run keeps the name it had before they existed — and the scorer and
-        ranking-loss settings only for policy kvpop)."""
+        ranking-loss settings only for policy kvpop; ``extra_topks`` only when set, for the same reason)."""
         skip = set(self.OPERATIONAL) | (set() if self.policy == "dms" else set(self.DMS_KEYS))
         skip |= {"policy"} if self.policy == "kvpop" else set(self.KVPOP_KEYS)
+        skip |= set() if self.extra_topks else {"extra_topks"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
 
 

@@ -121,7 +121,8 @@ def objective_of(cfg: PipelineConfig) -> Objective | DMSObjective | StreamingObj
         return DMSObjective(Budget(budget.sink, budget.window, 0), t.dms_schedule(), keep_weight=t.dms_keep_weight)
     if t.policy == "streaming":
         return StreamingObjective(Budget(budget.sink, budget.window + budget.topk, 0))
-    return Objective(budget, t.recency, beta=t.beta, tau=t.tau, weight=None if t.loss_weight == "none" else t.loss_weight)
+    weight = None if t.loss_weight == "none" else t.loss_weight
+    return Objective(budget, t.recency, beta=t.beta, tau=t.tau, weight=weight, extra_topks=t.extra_topks)
 
 
 def make_spec(cfg: PipelineConfig, targets: store.Targets, name: str, storage: Path, mlflow_run_id: str, *,

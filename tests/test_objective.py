@@ -51,6 +51,36 @@ def test_objective_matches_a_per_position_reference(budget, ties):
         assert got[key].item() == pytest.approx(want[key], abs=1e-5), key
 
 
+EXTRA = [(Budget(2, 3, 4), (1, 9)), (Budget(0, 1, 1), (4, 1, 4)), (Budget(1, 2, 0), (3,)), (Budget(3, 4, 30), (2,)),
+         (Budget(0, 30, 2), (5,)), (Budget(2, 2, 3), (60,))]  # topk 0, s 0, w >= S, repeats, a k past S
+
+
+@pytest.mark.parametrize("budget,extra", EXTRA, ids=str)
+@pytest.mark.parametrize("ties", [False, True])
+def test_extra_topks_average_the_boundary_losses_of_every_budget(budget, extra, ties):
+    """``L_ret`` with ``extra_topks`` is the mean of the per-position reference's boundary loss at ``budget`` and at
+    each other long-range size once (a budget without decisions counts 0); the KL and ``boundary_acc`` stay
+    ``budget``'s."""
+    torch.manual_seed(budget.total + len(extra))
+    layers, batch, heads, size, vocab, k = 2, 2, 2, 24, 11, 4
+    teacher = (torch.randint(0, 3, (layers, batch, heads, size)).double() if ties
+               else torch.randn(layers, batch, heads, size).double())
+    student = torch.randn(layers, batch, heads, size).double()
+    logits = torch.randn(batch, size, vocab).double()
+    values, indices = torch.randn(batch, size, vocab).double().topk(k, dim=-1)
+    recency, beta, tau = (0.5 if ties else 0.0), 0.3, 0.7
+    got = Objective(budget, recency, beta=beta, tau=tau, extra_topks=extra)(student, teacher, logits, values, indices)
+    sizes = [budget.topk] + [x for i, x in enumerate(extra) if x != budget.topk and x not in extra[:i]]
+    parts = [reference(student, teacher, logits, values, indices, Budget(budget.sink, budget.window, x), recency,
+                       beta, tau)["ret_loss"] for x in sizes]
+    want = reference(student, teacher, logits, values, indices, budget, recency, beta, tau)
+    want_ret = sum(parts) / len(parts)
+    assert got["ret_loss"].item() == pytest.approx(want_ret, abs=1e-5)
+    assert got["loss"].item() == pytest.approx(want["kl"] + beta * want_ret, abs=1e-5)
+    for key in ("kl", "boundary_acc"):
+        assert got[key].item() == pytest.approx(want[key], abs=1e-5), key
+
+
 def test_student_forward_trains_the_scorers_with_the_models_budget_and_recency():
     model = tiny_model("llama", "gqa")
     kvpop.retrofit(model, Budget(2, 4, 6), scorer="mlstm", recency=0.05)
@@ -73,6 +103,9 @@ def test_objective_refuses_bad_settings():
         Objective(Budget(1, 1, 1), tau=0)
     with pytest.raises(ValueError, match="weight"):
         Objective(Budget(1, 1, 1), weight="loud")
+    for bad in ((0,), (2, -1), (True,)):
+        with pytest.raises(ValueError, match="extra_topks must be long-range sizes >= 1"):
+            Objective(Budget(1, 1, 1), extra_topks=bad)
     model = tiny_model("llama", "gqa")
     kvpop.retrofit(model, None, scorer=None, policy="dense")
     with pytest.raises(ValueError, match="no budget"):

@@ -297,6 +297,17 @@ def test_the_workers_must_leave_ray_data_a_cpu(monkeypatch):
         require_resources("2 GPU workers", 2.0, 2)
 
 
+def test_the_configs_extra_topks_reach_the_workers_objective(tiny_targets, tmp_path):
+    """``train.extra_topks`` (configs/smollm2_scorer_norms.yaml's ``[124, 508]``) is in the objective the workers
+    train with, and names the run apart from the same config without it."""
+    cfg, result = tiny_targets
+    multi = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, extra_topks=(3, 12)))
+    targets = store.open_targets(result.path)
+    spec = train.make_spec(multi, targets, "multi", tmp_path, "")
+    assert spec.objective.extra_topks == (3, 12) and spec.objective.budget == cfg.budget
+    assert train.run_name_of(multi, targets) != train.run_name_of(cfg, targets)
+
+
 def test_the_configs_scorer_options_reach_the_trained_student(tiny_targets, tmp_path):
     """``train.scorer_options`` (e.g. configs/smollm2_scorer_norms.yaml's ``features: kv_norms``) is what the workers
     retrofit the student with."""

@@ -53,6 +53,23 @@ def test_the_loss_weight_reaches_the_objective():
     assert objective_of(load_config(None, [])).weight is None
 
 
+def test_extra_topks_reach_the_objective_and_name_the_run_only_when_set():
+    from pipelines.train import objective_of
+
+    plain = load_config(None, [])
+    assert objective_of(plain).extra_topks == () and "extra_topks" not in plain.train.optimisation()  # names kept
+    multi = load_config(None, ["train.extra_topks=[124, 508]"])
+    assert objective_of(multi).extra_topks == (124, 508)
+    assert multi.train.optimisation()["extra_topks"] == (124, 508)
+    assert multi.train.optimisation() != plain.train.optimisation()
+    for overrides, message in ((["train.extra_topks=[0]"], "train.extra_topks must be long-range sizes >= 1"),
+                               (["train.extra_topks=[8]", "train.policy=dms"], "train.extra_topks is for"),
+                               (["train.extra_topks=8"], "train.extra_topks: expected a list")):
+        with pytest.raises(ConfigError, match=message) as err:
+            load_config(None, overrides)
+        assert "\n" not in str(err.value)
+
+
 def test_run_names_separate_the_policies_and_keep_the_kvpop_ones():
     kvpop_cfg = load_config(None, [])
     assert "policy" not in kvpop_cfg.train.optimisation()  # a kvpop run is named as before train.policy existed
