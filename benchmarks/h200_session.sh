@@ -6,7 +6,7 @@
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
-#    norms192 train768 multik)
+#    norms192 train768 multik train768_11 multik_wide multik30)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -314,6 +314,19 @@ run_part() {
     train768)   BLEND_ARGS="--topk 252" variant train768 "0.002 0.003" --scorer-options '{"features": "kv_norms"}' \
                   --topk 508 ;;
     multik)     variant multik "0.002 0.003" --scorer-options '{"features": "kv_norms"}' --train-topks 124 508 ;;
+    # train768 at norms11's scale (11M tokens; blends on 32 items, paired with norms11's first 32): whether the larger
+    # training budget adds to what more tokens gave. Sixteenth session: train768, multik and train768_11 side by side
+    # 18:07-18:17 (32-46k tokens/s each), then multik at 11M alone (VARIANT_TOKENS=11e6 CURVES_BUDGET_S=600, out
+    # /tmp/r2, 70k tokens/s) 18:19-18:25
+    train768_11) VARIANT_TOKENS=11e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} BLEND_ARGS="--topk 252" \
+                  variant train768_11 "0.002 0.003" --scorer-options '{"features": "kv_norms"}' --topk 508 ;;
+    # the next session's: the several-budget recipe (sixteenth session's best) with a wider spread of k (60 … 1020) at
+    # 11M tokens, and the preset's k 124 / 508 at 30M (1.4 epochs of the pool); blends at λ 0.002 / 0.0025 / 0.003 on
+    # 32 items, paired with multik11's; ~10 min each side by side
+    multik_wide) VARIANT_TOKENS=11e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-720} variant multik_wide "0.002 0.0025 0.003" \
+                  --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 ;;
+    multik30)   VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik30 "0.002 0.0025 0.003" \
+                  --scorer-options '{"features": "kv_norms"}' --train-topks 124 508 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
