@@ -150,9 +150,11 @@ def analyse(records: list[dict], rule: str, references: dict, rows_of, lengths_o
         ids = sorted(i for (name, i) in mine if name == rule and ("streaming", i) in mine)
         oracle = references.get(source, {}).get("oracle", {})
         missing = [i for i in ids if i not in oracle]
-        if not ids or missing:
-            raise ValueError(f"{source}: {'no ' + rule + ' records with streaming beside them' if not ids else ''}"
-                             f"{'no oracle record of ' + missing[0] + ' in --references-from' if missing else ''}")
+        if not ids:
+            raise ValueError(f"{source}: no {rule} records with streaming beside them")
+        if missing:
+            raise ValueError(f"{source}: no oracle record of {missing[0]} in --references-from "
+                             f"({len(missing)} of {len(ids)} sequences unpaired)")
         first = mine[(rule, ids[0])]
         budget = Budget(**first["budget"])
         rows, eos = rows_of(source, first["budget"], first["seq_len"], len(ids))
