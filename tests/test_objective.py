@@ -34,16 +34,23 @@ def reference(student, teacher, logits, values, indices, budget, recency, beta, 
     return {"loss": kl + beta * ret, "ret_loss": ret, "kl": kl, "boundary_acc": acc}
 
 
-@pytest.mark.parametrize("budget", BUDGETS, ids=str)
-@pytest.mark.parametrize("ties", [False, True])
-def test_objective_matches_a_per_position_reference(budget, ties):
-    torch.manual_seed(budget.total)
+def random_inputs(ties: bool):
+    """``(student, teacher, logits, values, indices)``: priorities ``[2, 2, 2, 24]`` (the teacher's in {0, 1, 2}
+    with ``ties``), logits over 11 tokens and their top 4."""
     layers, batch, heads, size, vocab, k = 2, 2, 2, 24, 11, 4
     teacher = (torch.randint(0, 3, (layers, batch, heads, size)).double() if ties
                else torch.randn(layers, batch, heads, size).double())
     student = torch.randn(layers, batch, heads, size).double()
     logits = torch.randn(batch, size, vocab).double()
     values, indices = torch.randn(batch, size, vocab).double().topk(k, dim=-1)
+    return student, teacher, logits, values, indices
+
+
+@pytest.mark.parametrize("budget", BUDGETS, ids=str)
+@pytest.mark.parametrize("ties", [False, True])
+def test_objective_matches_a_per_position_reference(budget, ties):
+    torch.manual_seed(budget.total)
+    student, teacher, logits, values, indices = random_inputs(ties)
     recency, beta, tau = (0.5 if ties else 0.0), 0.3, 0.7
     got = Objective(budget, recency, beta=beta, tau=tau)(student, teacher, logits, values, indices)
     want = reference(student, teacher, logits, values, indices, budget, recency, beta, tau)
@@ -62,12 +69,7 @@ def test_extra_topks_average_the_boundary_losses_of_every_budget(budget, extra, 
     each other long-range size once (a budget without decisions counts 0); the KL and ``boundary_acc`` stay
     ``budget``'s."""
     torch.manual_seed(budget.total + len(extra))
-    layers, batch, heads, size, vocab, k = 2, 2, 2, 24, 11, 4
-    teacher = (torch.randint(0, 3, (layers, batch, heads, size)).double() if ties
-               else torch.randn(layers, batch, heads, size).double())
-    student = torch.randn(layers, batch, heads, size).double()
-    logits = torch.randn(batch, size, vocab).double()
-    values, indices = torch.randn(batch, size, vocab).double().topk(k, dim=-1)
+    student, teacher, logits, values, indices = random_inputs(ties)
     recency, beta, tau = (0.5 if ties else 0.0), 0.3, 0.7
     got = Objective(budget, recency, beta=beta, tau=tau, extra_topks=extra)(student, teacher, logits, values, indices)
     sizes = [budget.topk] + [x for i, x in enumerate(extra) if x != budget.topk and x not in extra[:i]]
