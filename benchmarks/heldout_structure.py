@@ -78,14 +78,9 @@ def own_document_reach(input_ids, eos: int, start: int, window: int) -> float:
 def ratio_draws(numerator, denominator, seed: int):
     """``mean(numerator) / mean(denominator)`` on each of :data:`RESAMPLES` Monte Carlo resamples of the items
     (NaN where a resample's denominator is 0)."""
-    import numpy as np
-
     from pipelines.stats import Bootstrap
 
-    counts = Bootstrap(len(numerator), resamples=RESAMPLES, seed=seed, exact=False).counts
-    top, bottom = counts @ np.asarray(numerator, float), counts @ np.asarray(denominator, float)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(bottom != 0, top / np.where(bottom != 0, bottom, 1.0), np.nan)
+    return Bootstrap(len(numerator), resamples=RESAMPLES, seed=seed, exact=False).ratios(numerator, denominator)
 
 
 def gap_of(items: list[dict]) -> dict:

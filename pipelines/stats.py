@@ -172,11 +172,17 @@ class Bootstrap:
         num, den = self._check(numerator, "numerator"), self._check(denominator, "denominator")
         if den.mean() == 0:
             return Interval(math.nan, math.nan, math.nan, self.n)
-        top, bottom = self.counts @ num, self.counts @ den
-        keep = bottom != 0
+        draws = self.ratios(num, den)
+        keep = ~np.isnan(draws)
         lo, hi = ((math.nan, math.nan) if self.n < 2 else  # one item: no interval (see _bounds)
-                  _bounds_of(top[keep] / bottom[keep], self.probs[keep], self.level))
+                  _bounds_of(draws[keep], self.probs[keep], self.level))
         return Interval(float(num.mean() / den.mean()), lo, hi, self.n)
+
+    def ratios(self, numerator, denominator) -> np.ndarray:
+        """``mean(numerator) / mean(denominator)`` on every resample (NaN where its denominator mean is 0)."""
+        top = self.counts @ self._check(numerator, "numerator")
+        bottom = self.counts @ self._check(denominator, "denominator")
+        return np.divide(top, bottom, out=np.full_like(top, np.nan), where=bottom != 0)
 
 
 def _bounds_of(values: np.ndarray, weights: np.ndarray, level: float) -> tuple[float, float]:
