@@ -6,7 +6,7 @@
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
-#    norms192 train768 multik train768_11 multik_wide multik30)
+#    norms192 train768 multik train768_11 multik_wide multik30 multik384)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -63,18 +63,21 @@ blend() {
     --recency "$@" --recall-tasks niah_single niah_single_essay niah_multikey_2 --recall-samples 8 \
     --tag "$tag" --out "$out" --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json
 }
-# split_variant W K: the kv_norms w256 recipe at s4-wW-kK (B = 512) to VARIANT_TOKENS (4M, as the w256 norms scorer),
-# tag h200_wW_qp16_norms_at512, evaluated on 32 held-out items, with the oracle of its own split in the blend
+# split_variant W K [NAME [learning_curves options]]: the kv_norms w256 recipe at s4-wW-kK (B = 512) to VARIANT_TOKENS
+# (4M, as the w256 norms scorer), tag h200_wW_qp16_NAME_at512 (NAME: norms), evaluated on 32 held-out items, with the
+# oracle of its own split in the blend at SPLIT_LAMBDAS; SPLIT_HEURISTICS="tova h2o" (default) measures TOVA / H2O
+# on champ in the study, "" leaves them to the blend's prose-study references (the same B)
 split_variant() {
-  local tag=h200_w$1_qp16_norms_at512
+  local window=$1 topk=$2 name=${3:-norms}; shift 2; [ $# -eq 0 ] || shift
+  local tag=h200_w${window}_qp16_${name}_at512
   python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-420}" \
-    --train-sequences 5120 --save-state "$out/norms$1_state" --window "$1" --topk "$2" --eval-topks "$2" \
-    --query-power 16 --checkpoints "${VARIANT_TOKENS:-4e6}" --eval-sequences 32 --dynamic-sequences 0 \
-    --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
-    --recall-tasks niah_single niah_single_essay niah_multikey_2 \
-    --scorer-options '{"features": "kv_norms"}' --tag "$tag" && \
-  BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$(ls -d "$out/norms$1_state"/step-* | tail -1)" "$tag" \
-    0.002 0.003 0.005 --oracle
+    --train-sequences 5120 --save-state "$out/${name}${window}_state" --window "$window" --topk "$topk" \
+    --eval-topks "$topk" --query-power 16 --checkpoints "${VARIANT_TOKENS:-4e6}" --eval-sequences 32 \
+    --dynamic-sequences 0 --heuristics ${SPLIT_HEURISTICS-tova h2o} --recall-contexts 2048 --recall-depths 0.1 0.5 \
+    --recall-samples 8 --recall-tasks niah_single niah_single_essay niah_multikey_2 \
+    --scorer-options '{"features": "kv_norms"}' --tag "$tag" "$@" && \
+  BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$(ls -d "$out/${name}${window}_state"/step-* | tail -1)" "$tag" \
+    ${SPLIT_LAMBDAS:-0.002 0.003 0.005} --oracle ${SPLIT_ORACLE_ARGS:-}
 }
 run_part() {
   local part=$1
@@ -321,11 +324,17 @@ run_part() {
     train768_11) VARIANT_TOKENS=11e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} BLEND_ARGS="--topk 252" \
                   variant train768_11 "0.002 0.003" --scorer-options '{"features": "kv_norms"}' --topk 508 ;;
     # the next session's: the several-budget recipe (sixteenth session's best) with a wider spread of k (60 … 1020) at
-    # 11M tokens, and the preset's k 124 / 508 at 30M (1.4 epochs of the pool); blends at λ 0.002 / 0.0025 / 0.003 on
-    # 32 items, paired with multik11's; ~10 min each side by side
+    # 11M tokens (blends at λ 0.002 / 0.0025 / 0.003), and the preset's k 124 / 508 at 30M (1.4 epochs of the pool;
+    # λ 0.002 / 0.003 to fit a session), on 32 items, paired with multik11's; ~10 / ~18 min side by side
     multik_wide) VARIANT_TOKENS=11e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-720} variant multik_wide "0.002 0.0025 0.003" \
                   --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 ;;
-    multik30)   VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik30 "0.002 0.0025 0.003" \
+    # the protected window the other way from w128: s4-w384-k124 (B = 512), 384 recent tokens and 124 ranked, with the
+    # several-budget loss at half, one and two times its k, 4M tokens; TOVA / H2O from the blend's references, the
+    # oracle of its own split alone (no oracle + λ)
+    multik384)  VARIANT_TOKENS=${VARIANT_TOKENS:-4e6} CURVES_BUDGET_S=${CURVES_BUDGET_S:-600} SPLIT_HEURISTICS= \
+                  SPLIT_ORACLE_ARGS=--oracle-recency \
+                  split_variant 384 124 multik --train-topks 60 252 ;;
+    multik30)   VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik30 "0.002 0.003" \
                   --scorer-options '{"features": "kv_norms"}' --train-topks 124 508 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
