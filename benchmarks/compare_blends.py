@@ -9,7 +9,9 @@ study ``learning_curves_<tag>.json@TOKENS`` (its scorer's records at the point n
 evaluated, as rule ``kvpop``). ``--alias NEW=OLD``: corpus ``NEW`` of either side is the same held-out text as ``OLD``
 (a rebuilt file, :mod:`benchmarks.recency_blend`'s ``--reference-source``). ``--B``: the total budget of a study's
 records (default: the blend side's, else the study's only one). Compared: KL (lower is better) and top-1 agreement
-over the sequences both sides have. Writes ``<out>/compare_<tag>.{json,md}``.
+over the sequences both sides have; where both sides are blend files with their ``recency_blend_<tag>_recall.jsonl``
+beside them, also each recall task's exact match and gold log-probability over the samples both have (paired by
+sample). Writes ``<out>/compare_<tag>.{json,md}``.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 METRICS = (("kl", "KL", -1), ("top1", "top-1", 1))
+RECALL_METRICS = (("exact", "exact", 1), ("logprob", "gold logp", 1))
 
 
 def parse_args(argv=None):
@@ -57,6 +60,21 @@ def blend_records(path: Path, aliases: dict) -> tuple[dict, int | None]:
     return out, totals.pop()
 
 
+def recall_records(items_path: Path) -> dict | None:
+    """{("recall <task>", sample id, rule): {"exact", "logprob"}} of the recall answers beside a blend records file
+    (``…_items.jsonl`` → ``…_recall.jsonl``); None where there are none."""
+    if not items_path.name.endswith("_items.jsonl"):
+        return None
+    path = items_path.with_name(items_path.name.removesuffix("_items.jsonl") + "_recall.jsonl")
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    if any(not {"task", "item", "rule", "exact", "logprob"} <= set(r) for r in rows):
+        raise ValueError(f"{path}: not a recency_blend recall file (answers with a task, sample, rule, exact, logprob)")
+    return {(f"recall {r['task']}", r["item"], r["rule"]): {"exact": r["exact"], "logprob": r["logprob"]}
+            for r in rows}
+
+
 def study_records(spec: str, aliases: dict, B: int | None) -> tuple[dict, int]:
     """The scorer's records of a learning-curves study at the point nearest ``TOKENS`` (``path@TOKENS``), at total
     budget ``B`` (or the study's only one), as rule ``kvpop``."""
@@ -90,8 +108,9 @@ def load_side(spec: str, aliases: dict, B: int | None) -> tuple[dict, int]:
     return study_records(spec, aliases, B)
 
 
-def compare(baseline: dict, candidate: dict, rules: list[str]) -> list[dict]:
-    """Per (corpus, rule, metric) over the sequences both have: the means and candidate − baseline, paired."""
+def compare(baseline: dict, candidate: dict, rules: list[str], metrics=METRICS) -> list[dict]:
+    """Per (corpus, rule, metric) over the sequences (or recall samples) both have: the means and candidate −
+    baseline, paired."""
     from benchmarks.bootstrap import paired_bootstrap
 
     shared = sorted(set(baseline) & set(candidate))
@@ -102,7 +121,7 @@ def compare(baseline: dict, candidate: dict, rules: list[str]) -> list[dict]:
             ids = sorted(i for c, i, r in shared if c == corpus and r == rule)
             if not ids:
                 continue
-            for metric, label, better in METRICS:
+            for metric, label, better in metrics:
                 a = [baseline[corpus, i, rule][metric] for i in ids]
                 b = [candidate[corpus, i, rule][metric] for i in ids]
                 diff = paired_bootstrap(b, a)
@@ -124,6 +143,15 @@ def render(result: dict) -> str:
     for row in result["rows"]:
         lines.append(f"| {row['corpus']} | {row['rule']} | {row['label']} | {row['n']} | {row['baseline']:.4f} | "
                      f"{row['candidate']:.4f} | {format_interval(row['difference'], 4)} | {row['verdict']} |")
+    if result.get("recall"):
+        lines += ["", "Recall, paired by sample (every sample of each task both sides answered, whatever dense "
+                  "scored on it):", "",
+                  "| task | rule | metric | n | baseline | candidate | candidate − baseline [95 %] | verdict |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for row in result["recall"]:
+            lines.append(f"| {row['corpus'].removeprefix('recall ')} | {row['rule']} | {row['label']} | {row['n']} | "
+                         f"{row['baseline']:.3f} | {row['candidate']:.3f} | {format_interval(row['difference'], 3)} "
+                         f"| {row['verdict']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -147,11 +175,14 @@ def main(argv=None) -> int:
         rows = compare(base, cand, args.rules)
         if not rows:
             raise ValueError("no (corpus, sequence, rule) in common: other corpora, rules or items")
+        answers = [recall_records(Path(getattr(args, name))) if getattr(args, name).endswith(".jsonl") else None
+                   for name in ("baseline", "candidate")]
+        recall = compare(*answers, args.rules, RECALL_METRICS) if None not in answers else []
     except ValueError as err:
         print(f"compare_blends: {err}", file=sys.stderr)
         return 2
     result = {"baseline": args.baseline, "candidate": args.candidate, "B": b_total, "aliases": args.alias,
-              "rows": rows}
+              "rows": rows, "recall": recall}
     write_result(Path(args.out), f"compare_{args.tag}", result, render(result))
     return 0
 

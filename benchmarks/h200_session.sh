@@ -6,7 +6,8 @@
 #    recipe learning_curves capacity pipeline window_attention prior prior256
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
-#    norms192 train768 multik train768_11 multik_wide multik30 multik384)
+#    norms192 train768 multik train768_11 multik_wide multik30 multik384
+#    multik_wide30 multik_wide30_recall)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -336,6 +337,14 @@ run_part() {
                   split_variant 384 124 multik --train-topks 60 252 ;;
     multik30)   VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik30 "0.002 0.003" \
                   --scorer-options '{"features": "kv_norms"}' --train-topks 124 508 ;;
+    # the next session's (seventeenth session: the wider k spread and 25M tokens each gained on held-out text, 25M lost
+    # recall): both at once — k 60 … 1020 to 30M tokens — and the same with planted facts in 10 % of the training
+    # sequences (--recall-mix, pipelines.planted: does recall survive more champ data?); ~17 min side by side
+    multik_wide30) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik_wide30 "0.002 0.003" \
+                  --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 ;;
+    multik_wide30_recall) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} \
+                  variant multik_wide30_recall "0.002 0.003" --scorer-options '{"features": "kv_norms"}' \
+                  --train-topks 60 124 508 1020 --recall-mix 0.1 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

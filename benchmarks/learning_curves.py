@@ -81,11 +81,11 @@ STORED_TRAIN_TPS = 40_000
 
 # What a resumed run must share with the saved study, besides the base weights (their digest) and the resolved dtype
 # and training pool: what the scorer is trained on and how, and what the curve's points are measured on.
-STUDY_ARGS = ("source", "mix_source", "mix_sequences", "seq_len", "sink", "window", "topk", "train_topks", "scorer",
+STUDY_ARGS = ("source", "mix_source", "mix_sequences", "recall_mix", "seq_len", "sink", "window", "topk", "train_topks", "scorer",
               "scorer_options", "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed",
               "window_attention_prior")
 # study settings that came after studies were first saved: the value a study saved without one ran with
-SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0,
+SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0, "recall_mix": 0.0,
                 "window_attention_prior": False}
 EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences",
              "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
@@ -112,6 +112,9 @@ def parse_args(argv=None):
     p.add_argument("--mix-source", default=None, help="a second training corpus (a data.source value): "
                    "--mix-sequences of its training split join the pool; its held-out documents stay unseen")
     p.add_argument("--mix-sequences", type=int, default=0, help="sequences of --mix-source in the training pool")
+    p.add_argument("--recall-mix", type=float, default=0.0, help="share of the training corpus's sequences given "
+                   "planted facts and a question at their end (data.recall_mix, pipelines.planted: a format disjoint "
+                   "from the recall tasks); held-out sequences are never planted")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=128)
@@ -269,8 +272,9 @@ def study_config(args, train_sequences: int, source: str | None = None):
         f"eval.task_min_dense={args.recall_min_dense}", f"eval.max_new_tokens={args.recall_tokens}",
         f"eval.generation_batch_size={args.recall_batch}", "eval.generation_prompts=0",
         f"eval.resamples={args.resamples}"]
+    planted = [f"data.recall_mix={args.recall_mix}"] if args.recall_mix and not source else []
     return corpus_config(args.model, source or args.source, args.seq_len, training_budget(args), args.query_power,
-                         args.eval_sequences, args.seed, 1 if source else train_sequences, evaluation)
+                         args.eval_sequences, args.seed, 1 if source else train_sequences, evaluation + planted)
 
 
 def training_budget(args) -> dict:
@@ -663,6 +667,9 @@ def check_args(args) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.train_sequences < 0 or args.recall_samples < 0 or args.dynamic_sequences < 0:
         raise ConfigError("--train-sequences, --recall-samples and --dynamic-sequences must be >= 0")
+    if not 0 <= args.recall_mix <= 1:
+        raise ConfigError(f"--recall-mix must be in [0, 1] (the share of training sequences given planted facts), "
+                          f"got {args.recall_mix}")
     if (args.mix_source is None) != (args.mix_sequences == 0) or args.mix_sequences < 0:
         raise ConfigError("--mix-source and --mix-sequences go together: a corpus and how many of its training "
                           "sequences (>= 1) join the pool")
@@ -1062,6 +1069,8 @@ def render(result: dict) -> str:
              f"{train_budget}, S = {args['seq_len']}, {args['batch']} sequences per step from a pool of "
              f"{meta['train_sequences']}"
              + (f" ({args['mix_sequences']} of them from `{args['mix_source']}`)" if args.get("mix_source") else "")
+             + (f", {args['recall_mix']:.0%} of the training corpus's with planted facts (`--recall-mix`)"
+                if args.get("recall_mix") else "")
              + f" (one epoch = {tokens_label(epoch_tokens)} tokens), constant lr {args['lr']} "
              f"after {args['warmup']} warm-up steps; one run evaluated at each token count on {n_text} held-out "
              f"sequences{recall_items}. Sessions: {sessions}."

@@ -77,6 +77,41 @@ def test_two_blends_compare_each_shared_rule(tmp_path):
     assert {rule for _, rule, _ in only} == {"kvpop+0.002"}
 
 
+def recall_file(items_path, rows):
+    """The recall answers beside a blend records file: rows of (task, sample, rule, exact, logprob)."""
+    path = items_path.with_name(items_path.name.replace("_items.jsonl", "_recall.jsonl"))
+    path.write_text("".join(json.dumps({"checkpoint": "/x", "budget": BUDGET, "seq_len": 4096, "rule": rule,
+                                        "item": f"{task}/c2048/d0.1/s0/{i}", "task": task, "exact": exact,
+                                        "logprob": logprob}) + "\n" for task, i, rule, exact, logprob in rows))
+
+
+def test_two_blends_pair_their_recall_answers_by_sample_where_both_have_them(tmp_path):
+    rows = [blend_row("champ", i, "kvpop", 0.2, 0.9) for i in range(3)]
+    a, b = (tmp_path / "a_items.jsonl"), (tmp_path / "b_items.jsonl")
+    blend_file(a, rows), blend_file(b, rows)
+    assert run(tmp_path, str(a), str(b)) and json.loads((tmp_path / "compare_t.json").read_text())["recall"] == []
+    rng = random.Random(3)
+    base = [(rng.random() < 0.7, -rng.random() * 5) for _ in range(16)]
+    cand = [(0.0, lp - 1 - rng.random()) for _, lp in base]  # every answer lost, every log-probability lower
+    recall_file(a, [("niah_single", i, "kvpop", float(e), lp) for i, (e, lp) in enumerate(base)] +
+                [("niah_single", i, "dense", 1.0, -0.1) for i in range(16)])
+    recall_file(b, [("niah_single", i, "kvpop", e, lp) for i, (e, lp) in enumerate(cand)] +
+                [("niah_single", 99, "kvpop", 1.0, 0.0)])  # a sample the baseline never answered: not paired
+    run(tmp_path, str(a), str(b))
+    saved = json.loads((tmp_path / "compare_t.json").read_text())
+    got = {(r["corpus"], r["rule"], r["metric"]): r for r in saved["recall"]}
+    assert set(got) == {("recall niah_single", "kvpop", m) for m in ("exact", "logprob")}  # dense: one side only
+    exact, logprob = got["recall niah_single", "kvpop", "exact"], got["recall niah_single", "kvpop", "logprob"]
+    assert exact["n"] == 16 and exact["difference"]["mean"] == pytest.approx(-np.mean([e for e, _ in base]))
+    order = sorted(range(16), key=lambda i: f"niah_single/c2048/d0.1/s0/{i}")  # samples paired in id order
+    want = paired_difference([cand[i][1] for i in order], [base[i][1] for i in order])
+    assert (logprob["difference"]["low"], logprob["difference"]["high"]) == pytest.approx((want.lo, want.hi))
+    assert logprob["verdict"] == "candidate worse" and exact["verdict"] == "candidate worse"
+    assert "| niah_single | kvpop | gold logp | 16 |" in (tmp_path / "compare_t.md").read_text()
+    (a.with_name("a_recall.jsonl")).write_text(json.dumps({"rule": "kvpop"}) + "\n")
+    assert compare_blends.main([str(a), str(b), "--tag", "t", "--out", str(tmp_path)]) == 2
+
+
 @pytest.mark.parametrize("case", ["other budget", "nothing shared", "not a study", "bad alias"])
 def test_sides_that_cannot_be_paired_are_one_line(tmp_path, capsys, case):
     blend = blend_file(tmp_path / "b_items.jsonl", [blend_row("champ", 0, "kvpop", 0.1, 0.9)])

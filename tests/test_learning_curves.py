@@ -695,6 +695,37 @@ def test_a_mixed_in_corpus_joins_the_pool_with_its_training_split_only(tiny_setu
         assert len(err.splitlines()) == 1 and message in err, err
 
 
+def test_planted_recall_enters_the_training_pool_only_and_is_part_of_the_study(tiny_setup, home, tmp_path, capsys):
+    """``--recall-mix``: that share of the training corpus's sequences carry planted facts (data.recall_mix), the
+    held-out ones are the unplanted study's, a resume must keep the share, and a share outside [0, 1] is one line."""
+    from pipelines.config import ConfigError
+    from pipelines.data import load_sequences
+
+    long = ["--seq-len", "256", "--checkpoints", str(2 * 256)]
+    plain = curves.open_study(curves.parse_args(argv(tiny_setup, tmp_path / "a", *long)))
+    args = curves.parse_args(argv(tiny_setup, tmp_path / "b", *long, "--recall-mix", "0.4"))
+    study = curves.open_study(args)
+    assert study.cfg.data.recall_mix == 0.4 and plain.cfg.data.recall_mix == 0.0
+    train_ids, heldout = curves.load_data(study.cfg, study.tokenizer, study.mix)
+    plain_ids, plain_heldout = curves.load_data(plain.cfg, plain.tokenizer, plain.mix)
+    rows = load_sequences(study.cfg, "train", study.tokenizer)
+    planted = [i for i, r in enumerate(rows) if any(d.startswith("planted:") for d in r["docs"])]
+    assert len(planted) == 2 and len(rows) == 5  # round(0.4 * 5)
+    changed = [i for i in range(5) if train_ids[i].tolist() != plain_ids[i].tolist()]
+    assert changed == planted
+    assert [r["input_ids"] for r in heldout] == [r["input_ids"] for r in plain_heldout]
+    settings = curves.study_settings(args, "sha", 5)
+    assert settings["recall_mix"] == 0.4
+    with pytest.raises(ConfigError, match="--recall-mix 0.0 \\(saved 0.4\\)"):
+        curves.check_resume(tmp_path, settings, {**settings, "recall_mix": 0.0})
+    curves.check_resume(tmp_path, {"seq_len": 256}, {"seq_len": 256, "recall_mix": 0.0})  # saved before it existed
+    capsys.readouterr()
+    for value in ("-0.1", "1.5"):
+        assert curves.main(argv(tiny_setup, tmp_path / "c", *long, "--recall-mix", value)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--recall-mix must be in [0, 1]" in err, err
+
+
 def test_a_learned_per_head_recency_trains_and_is_reported(tiny_setup, home, tmp_path):
     """``--scorer-options '{"head_recency": true}'``: the per-head recency terms (METHOD §4) start at 0 and the
     retention loss moves them; the saved scorer carries them and the study reports the learned λ per layer."""
