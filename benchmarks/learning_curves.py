@@ -81,9 +81,9 @@ STORED_TRAIN_TPS = 40_000
 
 # What a resumed run must share with the saved study, besides the base weights (their digest) and the resolved dtype
 # and training pool: what the scorer is trained on and how, and what the curve's points are measured on.
-STUDY_ARGS = ("source", "mix_source", "mix_sequences", "recall_mix", "seq_len", "sink", "window", "topk", "train_topks", "scorer",
-              "scorer_options", "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch", "seed",
-              "window_attention_prior")
+STUDY_ARGS = ("source", "mix_source", "mix_sequences", "recall_mix", "seq_len", "sink", "window", "topk", "train_topks",
+              "scorer", "scorer_options", "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch",
+              "seed", "window_attention_prior")
 # study settings that came after studies were first saved: the value a study saved without one ran with
 SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0, "recall_mix": 0.0,
                 "window_attention_prior": False}
