@@ -719,6 +719,12 @@ def test_planted_recall_enters_the_training_pool_only_and_is_part_of_the_study(t
     with pytest.raises(ConfigError, match="--recall-mix 0.0 \\(saved 0.4\\)"):
         curves.check_resume(tmp_path, settings, {**settings, "recall_mix": 0.0})
     curves.check_resume(tmp_path, {"seq_len": 256}, {"seq_len": 256, "recall_mix": 0.0})  # saved before it existed
+    # the unplanted study's references are this one's: the same held-out items (the next GPU parts rely on it)
+    assert curves.main(argv(tiny_setup, tmp_path / "a", *long)) == 0
+    assert curves.main(argv(tiny_setup, tmp_path / "b", *long, "--recall-mix", "0.4", "--references-from",
+                            str(tmp_path / "a" / "learning_curves_t.json"))) == 0
+    report = (tmp_path / "b" / "learning_curves_t.md").read_text()
+    assert "40% of the training corpus's with planted facts" in report and "reused from" in report
     capsys.readouterr()
     for value in ("-0.1", "1.5"):
         assert curves.main(argv(tiny_setup, tmp_path / "c", *long, "--recall-mix", value)) == 2
