@@ -174,16 +174,12 @@ def main(argv=None) -> int:
     except (OSError, ValueError, KeyError) as err:
         print(f"gap_scaling: {err}", file=sys.stderr)
         return 2
-    from kvpop.files import atomic_write_text
+    from benchmarks.scorer_records import write_result
 
     out = Path(args.out or folder)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"gap_scaling_{args.tag}"
-    text = render(result)
-    atomic_write_text(stem.with_suffix(".json"), json.dumps(result, indent=2))
-    atomic_write_text(stem.with_suffix(".md"), text)
-    draw(result, stem.with_suffix(".png"))
-    print(text)
+    write_result(out, f"gap_scaling_{args.tag}", result, render(result))
+    draw(result, out / f"gap_scaling_{args.tag}.png")
     return 0
 
 
