@@ -28,7 +28,7 @@ RECALL_METRICS = (("exact", "exact", 1), ("logprob", "gold logp", 1))
 
 
 def parse_args(argv=None):
-    from jobs._cli import bare_parser  # a bad command line: one line and exit code 2
+    from jobs._cli import bare_parser, name_pairs  # a bad command line: one line and exit code 2
 
     p = bare_parser("compare_blends", __doc__.split("\n\n")[0])
     p.prog = "benchmarks/compare_blends.py"
@@ -40,10 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--B", type=int, default=None, help="total budget of a study's records")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
-    bad = [a for a in args.alias if a.count("=") != 1]
+    args.alias, bad = name_pairs(args.alias)
     if bad:
         p.error(f"--alias takes NEW=OLD, got {bad}")
-    args.alias = dict(a.split("=") for a in args.alias)
     return args
 
 

@@ -39,7 +39,7 @@ RESAMPLES, SEED = 4000, 0
 
 
 def parse_args(argv=None):
-    from jobs._cli import bare_parser  # a bad command line: one line and exit code 2
+    from jobs._cli import bare_parser, name_pairs  # a bad command line: one line and exit code 2
 
     p = bare_parser("heldout_structure", __doc__.split("\n\n")[0])
     p.prog = "benchmarks/heldout_structure.py"
@@ -52,10 +52,9 @@ def parse_args(argv=None):
     p.add_argument("--tag", required=True)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args(argv)
-    bad = [a for a in args.reference_source if a.count("=") != 1]
+    args.reference_source, bad = name_pairs(args.reference_source)
     if bad:
         p.error(f"--reference-source takes NAME=THEIRS, got {bad}")
-    args.reference_source = dict(a.split("=") for a in args.reference_source)
     return args
 
 

@@ -39,7 +39,7 @@ STREAMING_TOLERANCE = 1e-3
 
 
 def parse_args(argv=None):
-    from jobs._cli import bare_parser
+    from jobs._cli import bare_parser, name_pairs
 
     p = bare_parser("more_references", __doc__)
     p.prog = "benchmarks/more_references.py"
@@ -55,10 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True, help="the extended study's JSON (+ .md); read first if it exists")
     args = p.parse_args(argv)
-    bad = [a for a in args.source_file if a.count("=") != 1 or a.split("=")[0] not in args.corpora]
+    args.source_file, bad = name_pairs(args.source_file, args.corpora)
     if bad:
         p.error(f"--source-file: give NAME=PATH with NAME one of --corpora, got {bad}")
-    args.source_file = dict(a.split("=") for a in args.source_file)
     return args
 
 

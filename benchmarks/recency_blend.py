@@ -39,7 +39,8 @@ if str(REPO) not in sys.path:
 
 
 def parse_args(argv=None):
-    from jobs._cli import bare_parser  # a bad command line: one line and exit code 2; the CLI process's environment
+    # a bad command line: one line and exit code 2; the CLI process's environment
+    from jobs._cli import bare_parser, name_pairs
 
     p = bare_parser("recency_blend", __doc__.split("\n\n")[0])
     p.prog = "benchmarks/recency_blend.py"
@@ -89,10 +90,10 @@ def parse_args(argv=None):
         p.error(f"--streaming-layers are layer indices >= 0, got {args.streaming_layers}")
     if any(not 0 < x <= 1 for x in args.anchors) or any(x < 0 for x in args.anchor_recency):
         p.error("--anchors are shares in (0, 1], --anchor-recency values >= 0")
-    bad = [a for a in args.reference_source if a.count("=") != 1 or a.split("=")[0] not in args.sources]
+    pairs, bad = name_pairs(args.reference_source, args.sources)
     if bad or (args.reference_source and not args.references_from):
         p.error(f"--reference-source takes NAME=THEIRS with NAME one of --sources, and --references-from; got {bad}")
-    args.reference_source = dict(a.split("=") for a in args.reference_source)
+    args.reference_source = pairs
     return args
 
 

@@ -32,6 +32,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def name_pairs(values: list[str], known=None) -> tuple[dict[str, str], list[str]]:
+    """Repeated ``NAME=VALUE`` options as ``{NAME: VALUE}``, and those that are not one (or whose NAME is not in
+    ``known``), for the caller's one-line error."""
+    bad = [v for v in values if v.count("=") != 1 or (known is not None and v.split("=")[0] not in known)]
+    return dict(v.split("=") for v in values if v not in bad), bad
+
+
 def bare_parser(name: str, description: str) -> argparse.ArgumentParser:
     """``python -m jobs.<name>``'s parser: a bad command line is one line and exit code 2 (also in subcommands made
     with ``add_subparsers(parser_class=type(p))``)."""
