@@ -31,7 +31,7 @@ def parse_args(argv=None):
     p = bare_parser("gap_frontier", __doc__.split("\n\n")[0])
     p.prog = "benchmarks/gap_frontier.py"
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results"), help="folder of recency_blend_*.json")
-    p.add_argument("--B", type=int, default=512, help="total budget (512: CR 87.5 % at S = 4096)")
+    p.add_argument("--B", type=int, default=512, help="total budget (512: CR 87.5 %% at S = 4096)")
     p.add_argument("--recall-bar", type=float, default=0.8, help="headline recall (share of dense's) drawn as kept")
     p.add_argument("--out", default=None, help="output folder (default: --results)")
     args = p.parse_args(argv)

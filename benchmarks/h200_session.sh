@@ -7,7 +7,7 @@
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
 #    norms192 train768 multik train768_11 multik_wide multik30 multik384
-#    multik_wide30 multik_wide30_recall)
+#    multik_wide30 multik_wide30_planted)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -337,13 +337,16 @@ run_part() {
                   split_variant 384 124 multik --train-topks 60 252 ;;
     multik30)   VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik30 "0.002 0.003" \
                   --scorer-options '{"features": "kv_norms"}' --train-topks 124 508 ;;
-    # the next session's (seventeenth session: the wider k spread and 25M tokens each gained on held-out text, 25M lost
-    # recall): both at once — k 60 … 1020 to 30M tokens — and the same with planted facts in 10 % of the training
-    # sequences (--recall-mix, pipelines.planted: does recall survive more champ data?); ~17 min side by side
+    # seventeenth session: the wider k spread and 25M tokens each gained on held-out text, 25M lost recall. Both at
+    # once — k 60 … 1020 to 30M tokens — and the same with planted facts in 10 % of the training sequences
+    # (--recall-mix, pipelines.planted: does recall survive more champ data?). Eighteenth session: side by side
+    # 08:52–09:07 (50k tokens/s each), then λ 0.0025 / 0.004 blends of both on the warm machine (110 s); the planted
+    # part ran under the name multik_wide30_recall (its results renamed _planted: the old tag's result files collided
+    # with multik_wide30's recall answers, recency_blend_<tag>_recall.jsonl)
     multik_wide30) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik_wide30 "0.002 0.003" \
                   --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 ;;
-    multik_wide30_recall) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} \
-                  variant multik_wide30_recall "0.002 0.003" --scorer-options '{"features": "kv_norms"}' \
+    multik_wide30_planted) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} \
+                  variant multik_wide30_planted "0.002 0.003" --scorer-options '{"features": "kv_norms"}' \
                   --train-topks 60 124 508 1020 --recall-mix 0.1 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
