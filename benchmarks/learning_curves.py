@@ -82,10 +82,11 @@ STORED_TRAIN_TPS = 40_000
 # What a resumed run must share with the saved study, besides the base weights (their digest) and the resolved dtype
 # and training pool: what the scorer is trained on and how, and what the curve's points are measured on.
 STUDY_ARGS = ("source", "mix_source", "mix_sequences", "recall_mix", "seq_len", "sink", "window", "topk", "train_topks",
-              "scorer", "scorer_options", "loss_options", "recency", "features", "query_power", "lr", "warmup", "batch",
-              "seed", "window_attention_prior")
+              "scorer", "scorer_options", "loss_options", "kl_options", "recency", "features", "query_power", "lr",
+              "warmup", "batch", "seed", "window_attention_prior")
 # study settings that came after studies were first saved: the value a study saved without one ran with
 SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0, "recall_mix": 0.0,
+                "kl_options": {},
                 "window_attention_prior": False}
 EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences",
              "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
@@ -135,6 +136,8 @@ def parse_args(argv=None):
     p.add_argument("--scorer", default="mlstm")
     p.add_argument("--scorer-options", default="{}", help="JSON: fields of the scorer's config")
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
+    p.add_argument("--kl-options", default="{}", help='JSON: KL through the mask beside the boundary loss '
+                   '(kvpop.objective.KLThroughMask: weight, tau, top_k), e.g. {"weight": 1, "tau": 0.5}; {}: none')
     p.add_argument("--recency", type=float, default=0.0)
     p.add_argument("--window-attention-prior", action="store_true", help="train the scorers on top of the window "
                    "attention prior (kvpop.set_window_attention_prior: priority = scorer + observed attention)")
@@ -289,7 +292,8 @@ def resolved_dtype(args) -> str:
 def study_settings(args, base_sha256: str, train_sequences: int) -> dict:
     """The settings a resumed run must share with the saved study (JSON options parsed: spacing does not count)."""
     out = {name: getattr(args, name) for name in STUDY_ARGS + EVAL_ARGS}
-    out["scorer_options"], out["loss_options"] = json.loads(args.scorer_options), json.loads(args.loss_options)
+    for name in ("scorer_options", "loss_options", "kl_options"):
+        out[name] = json.loads(getattr(args, name))
     out.update(base_sha256=base_sha256, dtype=resolved_dtype(args), train_sequences=train_sequences)
     return out
 
@@ -340,6 +344,7 @@ class Trainer:
         import torch
 
         from kvpop.losses import check_retention_options
+        from kvpop.objective import KLThroughMask
 
         self.model, self.device, self.features = model, device, args.features
         self.query_power = args.query_power
@@ -355,8 +360,9 @@ class Trainer:
         self.loss_options = check_retention_options(json.loads(args.loss_options))
         if args.train_topks:
             self.loss_options["topks"] = args.train_topks
+        self.kl = KLThroughMask.from_options(json.loads(args.kl_options))
         self.batch = args.batch
-        self.step, self.train_s, self.losses, self.accs = 0, 0.0, [], []
+        self.step, self.train_s, self.losses, self.accs, self.kls = 0, 0.0, [], [], []
 
     def train_step(self, train_ids) -> None:
         import torch
@@ -366,7 +372,7 @@ class Trainer:
         ids = train_ids[self.order.take(self.batch)].to(self.device)
         t0 = time.perf_counter()
         out = scorer_only_step(self.model, ids, features=self.features, query_power=self.query_power,
-                               generator=self.loss_generator, **self.loss_options)
+                               generator=self.loss_generator, kl=self.kl, **self.loss_options)
         self.optimizer.zero_grad(set_to_none=True)
         out["loss"].backward()
         torch.nn.utils.clip_grad_norm_(self.params, 1.0)
@@ -378,6 +384,8 @@ class Trainer:
         self.step += 1
         self.losses.append(out["loss"].item())
         self.accs.append(out["boundary_acc"].item())
+        if "kl" in out:
+            self.kls.append(out["kl"].item())
 
     def state(self) -> tuple[dict, dict]:
         """``(JSON-able progress, tensors)``: the tensors are the AdamW moments by parameter name."""
@@ -389,7 +397,7 @@ class Trainer:
             tensors.update({f"{name}.{key}": value.detach().cpu().contiguous() for key, value in entry.items()
                             if key != "step"})
         schedule = {k: v for k, v in self.schedule.state_dict().items() if k != "lr_lambdas"}
-        return {"step": self.step, "train_s": self.train_s, "losses": self.losses, "accs": self.accs,
+        return {"step": self.step, "train_s": self.train_s, "losses": self.losses, "accs": self.accs, "kls": self.kls,
                 "parameters": self.names, "adam_steps": steps, "param_groups": saved["param_groups"],
                 "schedule": schedule, "order": self.order.state(),
                 "loss_generator": _generator_state(self.loss_generator)}, tensors
@@ -410,6 +418,7 @@ class Trainer:
         _set_generator_state(self.loss_generator, progress["loss_generator"])
         self.step, self.train_s = progress["step"], progress["train_s"]
         self.losses, self.accs = list(progress["losses"]), list(progress["accs"])
+        self.kls = list(progress.get("kls", []))  # the relaxed forward's KL per step (studies with --kl-options)
 
 
 # ------------------------------------------------------------------------------------------------ saved state
@@ -644,10 +653,11 @@ def load_data(cfg, tokenizer, mix=None):
 def check_args(args) -> None:
     """Bad input that argparse cannot see, as one :class:`ConfigError` line (before anything is loaded)."""
     from kvpop.losses import check_retention_options
+    from kvpop.objective import KLThroughMask
     from kvpop.targets import check_query_power
     from pipelines.config import ConfigError
 
-    for name in ("scorer_options", "loss_options"):
+    for name in ("scorer_options", "loss_options", "kl_options"):
         try:
             value = json.loads(getattr(args, name))
         except ValueError as err:
@@ -658,6 +668,10 @@ def check_args(args) -> None:
         check_retention_options(json.loads(args.loss_options))
     except ValueError as err:
         raise ConfigError(f"--loss-options: {err}") from None
+    try:
+        KLThroughMask.from_options(json.loads(args.kl_options))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"--kl-options: {err}") from None
     try:
         check_query_power(args.query_power)
     except ValueError as err:
@@ -888,8 +902,9 @@ def run(args) -> dict:
         if trainer.step % 50 == 0:
             update_session(session, trainer, tokens_per_step)
             recent = trainer.losses[-50:], trainer.accs[-50:]
+            kl = f" kl {sum(trainer.kls[-50:]) / 50:.4f}" if trainer.kls else ""
             print(f"[curves] step {trainer.step}/{study.total_steps} loss {sum(recent[0]) / 50:.4f} train-acc "
-                  f"{sum(recent[1]) / 50:.4f} {session['train_tokens_per_s']} tok/s", flush=True)
+                  f"{sum(recent[1]) / 50:.4f}{kl} {session['train_tokens_per_s']} tok/s", flush=True)
         if pending and trainer.step * tokens_per_step >= pending[0]:
             pending = [c for c in pending if c > trainer.step * tokens_per_step]
             checkpoint()

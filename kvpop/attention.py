@@ -29,6 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from kvpop.budget import Budget
 
 BLOCK = 128  # FlexAttention's sparse block size
+NEVER = torch.iinfo(torch.long).max // 4  # the eviction position of a token kept for good
 # The backend of the calls whose shape changes call by call — a cache's chunks (prefill, a ragged cache's candidates),
 # decoding steps through transformers' growing cache, targets of rows of any length: compiled FlexAttention builds one
 # kernel per shape (seconds each on CUDA; an H200 evaluation once spent its whole session compiling one per decoding
@@ -103,7 +104,7 @@ def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_
     """
     bsz, hkv, _ = kv_pos.shape
     group = num_heads // hkv
-    big = torch.iinfo(torch.long).max // 4
+    big = NEVER
     vis_end = torch.where(kv_pos < budget.sink, big, torch.maximum(kv_evict, kv_pos + budget.window))
     vis_end = torch.where(kv_valid, vis_end, -big)
     start = torch.where(kv_valid, kv_pos, big)
@@ -144,8 +145,32 @@ def _to_indices(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return counts, order
 
 
+class SoftRetention(NamedTuple):
+    """The relaxed retention of METHOD §3 (KL through the mask), a training form: every causal token stays visible and
+    an eligible token ``t`` (``sink <= t <= d - window``) adds ``log sigmoid((ranked[t] - cutoffs[d]) / tau)`` to query
+    ``d``'s score, the gradient flowing into ``ranked``. ``cutoffs`` (:func:`kvpop.retention.soft_cutoffs`, no
+    gradient) separate the tokens the hard rule keeps from those it evicts, so as ``tau -> 0`` this is the hard mask.
+    ``ranked`` and ``cutoffs`` are ``[B, Hkv, S]``; unpadded whole sequences only (positions are indices)."""
+
+    ranked: torch.Tensor
+    cutoffs: torch.Tensor
+    tau: float
+
+
+def _soft_bias(d, t, budget: Budget, ranked_t, cutoff_d):
+    """``log sigmoid(p[t] / tau - c[d] / tau)`` (the priorities and cutoffs come divided by ``tau``: a Python float
+    inside a flex score_mod is traced as an unbacked symbol) where ``t`` is eligible for ``d``, else 0 — one formula
+    for the flex score_mod and the chunked mask. ``min(z, 0) - log1p(exp(-|z|))`` is log sigmoid without overflow,
+    and exactly 0 (with no gradient) at ``c[d] = -inf``: the queries at which nothing is evicted yet."""
+    z = ranked_t - cutoff_d
+    zero = torch.zeros_like(z)
+    log_keep = torch.minimum(z, zero) - torch.log1p(torch.exp(-torch.abs(z)))
+    return torch.where((t >= budget.sink) & (d - t >= budget.window), log_keep, zero)
+
+
 def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid, budget: Budget,
-                        scale: float, backend: str = "auto", log_keep: torch.Tensor | None = None) -> torch.Tensor:
+                        scale: float, backend: str = "auto", log_keep: torch.Tensor | None = None,
+                        soft: SoftRetention | None = None) -> torch.Tensor:
     """Masked attention; returns ``[B, C, Hq, D]`` (the layout transformers' attention functions return).
 
     ``query [B, Hq, C, D]``, ``key/value [B, Hkv, N, D]``; ``q_pos [B, C]``; ``kv_pos``, ``kv_evict``,
@@ -158,24 +183,28 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
     ``log_keep [B, Hkv, N]`` (DMS training, ``kvpop.dms``): a relaxed eviction instead of a hard one. Token ``t``
     adds ``log_keep[t]`` (``log(1 - α_t)``) to the scores of the queries past its window (``t >= sink`` and
     ``d - t >= window``), gradients flowing into it; pass ``kv_evict`` "never" so that the mask is causal.
+
+    ``soft`` (KVpop training with KL through the mask, :class:`SoftRetention`): the relaxed form of the retention
+    rule; unpadded whole sequences, ``kv_evict`` "never", backends ``flex`` or ``chunked``.
     """
+    if soft is not None and log_keep is not None:
+        raise ValueError("retention_attention: log_keep (DMS) and soft (KVpop) are two relaxations; pass one")
     bsz, hq, _, _ = query.shape
     hkv = key.shape[1]
     shape = (bsz, hkv, key.shape[2])
     kv_pos, kv_evict, kv_valid = (x.expand(shape).contiguous() for x in (kv_pos, kv_evict, kv_valid))
+    if soft is not None and not _whole_sequences(query, key, q_pos, kv_pos, kv_valid):
+        raise ValueError("soft retention is a training form for unpadded whole sequences (q_pos == kv_pos == arange)")
     if backend == "auto":
         backend = "flex" if query.is_cuda else "chunked"
     if backend == "chunked":
         return _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale,
-                                  log_keep=log_keep)
+                                  log_keep=log_keep, soft=soft)
     if backend not in ("flex", "compact"):
         raise ValueError(f"backend must be 'auto', 'flex', 'compact' or 'chunked', got {backend!r}")
-    if log_keep is not None and backend == "compact":
-        raise ValueError("the compact backend has no relaxed (log_keep) form: use backend='flex' or 'chunked'")
-    size = q_pos.shape[-1]
-    arange = torch.arange(size, device=q_pos.device)
-    contiguous = query.shape[2] == key.shape[2] and bool(kv_valid.all()) and bool((q_pos == arange).all()) \
-        and bool((kv_pos == arange).all())
+    if (log_keep is not None or soft is not None) and backend == "compact":
+        raise ValueError("the compact backend has no relaxed (log_keep, soft) form: use backend='flex' or 'chunked'")
+    contiguous = _whole_sequences(query, key, q_pos, kv_pos, kv_valid)
     if backend == "compact":
         if not contiguous:
             raise ValueError("the compact backend serves unpadded whole sequences only (q_pos == kv_pos == arange)")
@@ -187,8 +216,27 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
         block_mask = retention_block_mask(q_pos.contiguous(), kv_pos, kv_evict, kv_valid, budget, hq)
     score_mod = None if log_keep is None else _log_keep_score_mod(q_pos, kv_pos, log_keep.expand(shape), budget,
                                                                   hq // hkv)
+    if soft is not None:
+        score_mod = _soft_score_mod(soft, budget, hq // hkv)
     out = flex(query, key, value, block_mask=block_mask, score_mod=score_mod, scale=scale, enable_gqa=hq != hkv)
     return out.transpose(1, 2).contiguous()
+
+
+def _whole_sequences(query, key, q_pos, kv_pos, kv_valid) -> bool:
+    """Unpadded whole sequences: the queries are the keys and every position is its index."""
+    arange = torch.arange(q_pos.shape[-1], device=q_pos.device)
+    return query.shape[2] == key.shape[2] and bool(kv_valid.all()) and bool((q_pos == arange).all()) \
+        and bool((kv_pos == arange).all())
+
+
+def _soft_score_mod(soft: SoftRetention, budget: Budget, group: int):
+    """KVpop's relaxed retention (:class:`SoftRetention`) on whole sequences: positions are the indices."""
+    ranked, cutoffs = soft.ranked / soft.tau, soft.cutoffs / soft.tau
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        g = h // group
+        return score + _soft_bias(q_idx, kv_idx, budget, ranked[b, g, kv_idx], cutoffs[b, g, q_idx])
+    return score_mod
 
 
 def _log_keep_score_mod(q_pos, kv_pos, log_keep, budget: Budget, group: int):
@@ -341,7 +389,7 @@ def _compact_attention(query, key, value, layout: CompactLayout, scale: float, k
 
 
 def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale, budget_bytes=1 << 25,
-                       log_keep=None):
+                       log_keep=None, soft=None):
     from kvpop.retention import retained
 
     bsz, hq, q_len, _ = query.shape
@@ -360,6 +408,11 @@ def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, bud
             t = kv_pos[:, :, None, :]
             bias = torch.where((t >= budget.sink) & (d - t >= budget.window), log_keep.expand(kv_pos.shape)[:, :, None],
                                0.0)
+            attn_mask = torch.where(attn_mask, bias.repeat_interleave(group, dim=1), float("-inf")).to(query.dtype)
+        if soft is not None:  # KVpop training, KL through the mask: a float mask of the relaxed retention
+            t = kv_pos[:, :, None, :]
+            bias = _soft_bias(d, t, budget, soft.ranked[:, :, None, :] / soft.tau,
+                              soft.cutoffs[:, :, sl, None] / soft.tau)
             attn_mask = torch.where(attn_mask, bias.repeat_interleave(group, dim=1), float("-inf")).to(query.dtype)
         out = F.scaled_dot_product_attention(query[:, :, sl], key.repeat_interleave(group, dim=1),
                                              value.repeat_interleave(group, dim=1), attn_mask=attn_mask,
@@ -453,7 +506,7 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     q_pos = positions[:, kv_len - q_len:]
     backend = "auto" if q_len == kv_len else CHUNK_BACKEND  # decoding through transformers' cache: a new N each step
     if policy.budget is None:  # dense: causal over real tokens
-        evict = torch.full((bsz, 1, kv_len), torch.iinfo(torch.long).max // 4, device=key.device)
+        evict = torch.full((bsz, 1, kv_len), NEVER, device=key.device)
         return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
                                    kv_valid=valid[:, None], budget=Budget(0, 1, 0), scale=scale, backend=backend)
     if policy.dynamic:
@@ -473,9 +526,25 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     ranked = policy.ranked(raw, positions[:, None, :])
     if runtime.collected is not None:
         runtime.collected[module.layer_idx] = ranked
+    if runtime.soft_tau is not None and policy.budget.topk > 0 and module.layer_idx not in runtime.streaming_layers:
+        return _soft_sequence_attention(query, key, value, ranked, policy, runtime.soft_tau, scale, q_pos, positions,
+                                        valid)
     evict = policy.evictions(raw, positions[:, None, :])
     return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
                                kv_valid=valid[:, None], budget=policy.budget, scale=scale, backend=backend)
+
+
+def _soft_sequence_attention(query, key, value, ranked, policy, tau: float, scale: float, q_pos, positions, valid):
+    """The relaxed retention (:class:`SoftRetention`) of a static policy's ranked priorities, with the gradient into
+    them: training only (``kvpop.retrofit.soft_retention``), on unpadded whole sequences, one top-k pool."""
+    from kvpop.retention import soft_cutoffs
+
+    policy.require_one_pool("soft retention")
+    ranked = ranked.float()
+    soft = SoftRetention(ranked, soft_cutoffs(ranked.detach(), policy.budget), tau)
+    return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None],
+                               kv_evict=torch.full_like(ranked, NEVER, dtype=torch.long), kv_valid=valid[:, None],
+                               budget=policy.budget, scale=scale, soft=soft)
 
 
 def passthrough_mask(*args, attention_mask=None, **kwargs):

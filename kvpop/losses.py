@@ -227,7 +227,8 @@ def topk_kl(
     if student_logits.shape[:-1] != teacher_topk_logits.shape[:-1]:
         raise ValueError(f"student logits {tuple(student_logits.shape)} and teacher top-K "
                          f"{tuple(teacher_topk_logits.shape)} disagree on the leading dims")
-    student_k = student_logits.float().gather(-1, teacher_topk_indices.long()) / temperature
+    student_k = student_logits.gather(-1, teacher_topk_indices.long()).float() / temperature  # gather first: no
+    # float32 copy of the [..., V] logits
     log_q = student_k.log_softmax(-1)
     log_p = (teacher_topk_logits.float() / temperature).log_softmax(-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(-1)

@@ -29,7 +29,7 @@ from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule, dms_loss, retained_stats
 from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss, topk_kl
 from kvpop.retention import with_recency
-from kvpop.retrofit import collect_priorities, runtime_of
+from kvpop.retrofit import collect_priorities, runtime_of, soft_retention
 
 WEIGHTS = (None, "margin", "mass")
 
@@ -96,6 +96,46 @@ class Objective:
         with torch.no_grad():
             accuracy = boundary_agreement(student.detach(), decisions)
         return {"loss": kl + self.beta * ret, "ret_loss": ret, "kl": kl, "boundary_acc": accuracy}
+
+
+@dataclass(frozen=True)
+class KLThroughMask:
+    """The top-K KL of a frozen model's logits under its scorers' *relaxed* retention (METHOD §3, KL through the
+    mask): the one-pass forward runs :func:`kvpop.retrofit.soft_retention` at ``tau``, so the KL's gradient reaches
+    the scorers' priorities through the attention it gives each eligible token, weighted by ``weight`` beside the
+    boundary loss. ``top_k``: the teacher logits it is measured on (the dense pass's, at the positions ``d >= B``).
+
+    The boundary loss trains every keep / evict decision alike; this term weighs them by what they cost the next-token
+    distribution, which is what the evaluation measures (the decisions the boundary loss gets right on average are
+    not the ones KL pays for: results README, fourteenth session)."""
+
+    weight: float = 1.0
+    tau: float = 1.0
+    top_k: int = 64
+
+    def __post_init__(self):
+        if not (self.weight > 0 and self.tau > 0) or not (isinstance(self.top_k, int) and self.top_k >= 1):
+            raise ValueError(f"KLThroughMask needs weight > 0, tau > 0 and top_k >= 1; got weight={self.weight}, "
+                             f"tau={self.tau}, top_k={self.top_k!r}")
+
+    @classmethod
+    def from_options(cls, options: dict | None) -> "KLThroughMask | None":
+        """``None`` for no options (``{}``); else the term, refusing unknown keys in one line."""
+        if not options:
+            return None
+        unknown = set(options) - {"weight", "tau", "top_k"}
+        if unknown:
+            raise ValueError(f"KL-through-the-mask options are weight, tau and top_k; got {sorted(unknown)}")
+        return cls(**options)
+
+    def __call__(self, model: nn.Module, input_ids: torch.Tensor, topk_values: torch.Tensor,
+                 topk_indices: torch.Tensor) -> torch.Tensor:
+        """The KL (a scalar with the gradient to the scorers) of one relaxed forward of ``input_ids``."""
+        budget = runtime_of(model).policy.budget
+        with soft_retention(model, self.tau):
+            logits = model(input_ids=input_ids, use_cache=False).logits
+        return topk_kl(logits, topk_values[..., :self.top_k].float(), topk_indices[..., :self.top_k].long(),
+                       mask=evicting(logits, budget))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss
+from kvpop.objective import KLThroughMask
 from kvpop.policies.window_attention import window_attention_priorities
 from kvpop.retrofit import attention_modules, collect_priorities, runtime_of
 from kvpop.retention import with_recency
@@ -33,13 +34,15 @@ def _scorer_window(model) -> int:
 
 
 def online_targets(model, input_ids: torch.Tensor, *, group_reduce: str = "max", query_power: float = 1.0,
-                   backend: str = "auto", keep: tuple[str, ...] = ()) -> dict:
+                   backend: str = "auto", keep: tuple[str, ...] = (), top_k: int = 0) -> dict:
     """``{"targets": [layers, B, Hkv, S]}`` for the scorers' window from one dense pass of the retrofitted model
-    (and the per-layer ``keep`` tensors of :func:`kvpop.targets.teacher_pass`). No gradient."""
+    (and the per-layer ``keep`` tensors of :func:`kvpop.targets.teacher_pass`; with ``top_k`` > 0 its top-K logits,
+    ``topk_values`` / ``topk_indices``). No gradient."""
     window = _scorer_window(model)
-    out = teacher_pass(model, input_ids, [window], top_k=0, group_reduce=group_reduce, query_power=query_power,
+    out = teacher_pass(model, input_ids, [window], top_k=top_k, group_reduce=group_reduce, query_power=query_power,
                        backend=backend, keep=keep)
-    return {"targets": out["targets"][window], **{name: out[name] for name in keep}}
+    logits = {name: out[name] for name in ("topk_values", "topk_indices") if top_k > 0}
+    return {"targets": out["targets"][window], **{name: out[name] for name in keep}, **logits}
 
 
 def dense_priorities(model, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -71,13 +74,16 @@ def student_priorities(model, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense", group_reduce: str = "max",
-                     query_power: float = 1.0, backend: str = "auto", **loss_options) -> dict:
+                     query_power: float = 1.0, backend: str = "auto", kl: KLThroughMask | None = None,
+                     **loss_options) -> dict:
     """One scorer-only training step's forward: targets online, priorities, and the retention loss.
 
     ``loss_options`` go to :func:`kvpop.losses.retention_loss` (``tau``, ``weight``, ``balance``, ``topks``,
     ``random_pairs``, ``generator``); the teacher ranks by target (``group_reduce``, ``query_power``: METHOD §2) +
-    the policy's recency term (METHOD §3).
-    Returns ``{"loss", "boundary_acc", "student", "targets"}`` (``loss`` carries the scorers' gradient).
+    the policy's recency term (METHOD §3). ``kl`` adds ``kl.weight`` times the KL of a relaxed forward against the
+    dense pass's top-K logits (:class:`kvpop.objective.KLThroughMask`: a second forward and its backward).
+    Returns ``{"loss", "boundary_acc", "student", "targets"}`` (``loss`` carries the scorers' gradient), and
+    ``"kl"`` (detached) with ``kl``.
     """
     if features not in FEATURE_SOURCES:
         raise ValueError(f"features must be one of {FEATURE_SOURCES}, got {features!r}")
@@ -87,7 +93,7 @@ def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense",
     if features == "dense" and runtime_of(model).window_attention_prior:
         keep += ("queries",)
     online = online_targets(model, input_ids, group_reduce=group_reduce, query_power=query_power, backend=backend,
-                            keep=keep)
+                            keep=keep, top_k=kl.top_k if kl is not None else 0)
     if features == "dense":
         student = dense_priorities(model, online["keys"], online["values"], online.get("queries"))
     else:
@@ -96,4 +102,8 @@ def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense",
     loss = retention_loss(student, teacher, policy.budget, **loss_options)
     with torch.no_grad():
         acc = boundary_agreement(student.detach(), boundary_decisions(teacher, policy.budget))
-    return {"loss": loss, "boundary_acc": acc, "student": student, "targets": online["targets"]}
+    out = {"loss": loss, "boundary_acc": acc, "student": student, "targets": online["targets"]}
+    if kl is not None:
+        divergence = kl(model, input_ids, online["topk_values"], online["topk_indices"])
+        out.update(loss=loss + kl.weight * divergence, kl=divergence.detach())
+    return out

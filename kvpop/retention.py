@@ -201,3 +201,45 @@ def kept_counts(eviction: torch.Tensor, budget: Budget) -> torch.Tensor:
     last = torch.tensor(size - 1, device=eviction.device)
     pos = torch.arange(size, device=eviction.device)
     return retained(last, pos, eviction, budget).sum(-1)
+
+
+def soft_cutoffs(ranked: torch.Tensor, budget: Budget) -> torch.Tensor:
+    """``c[..., d]``: the threshold between the kept and the evicted long-range tokens at query ``d`` — the midpoint
+    of the ``topk``-th and ``(topk + 1)``-th largest ranked priority among the eligible ``[sink, d - window]`` — or
+    ``-inf`` where at most ``topk`` are eligible (no eviction yet). ``ranked`` float ``[..., S]``, positions
+    ``0 … S-1`` (unpadded whole sequences: soft retention is a training form).
+
+    Kept tokens lie above ``c[d]``, evicted ones below (ties at the cutoff sit on it), so ``sigmoid((p[t] - c[d]) /
+    tau)`` is a relaxed retention that tends to the hard rule as ``tau -> 0`` (METHOD §3, KL through the mask). Same
+    order statistics as :func:`eviction_positions` (``ranks_newer_wins`` + :func:`prefix_kth_largest`), O(S log S);
+    ``topk = 0`` evicts every eligible token: ``+inf`` where any is eligible.
+    """
+    _check_priority(ranked)
+    size, device = ranked.shape[-1], ranked.device
+    s, w, k = budget.sink, budget.window, budget.topk
+    pos = torch.arange(size, device=device)
+    last = pos - w  # the newest eligible token of query d
+    eligible = (last - s + 1).clamp(min=0)
+    if k == 0:
+        return torch.where(eligible > 0, float("inf"), float("-inf")).to(ranked.dtype).expand(ranked.shape).clone()
+    competes = pos >= s
+    rank, order = ranks_newer_wins(torch.where(competes, ranked, float("-inf")))
+    ascending = ranked.gather(-1, order)  # ranked priority by rank
+    index = last.clamp(min=0).expand(ranked.shape)
+    kth = prefix_kth_largest(rank, k).gather(-1, index).clamp(min=0)
+    next_kth = prefix_kth_largest(rank, k + 1).gather(-1, index).clamp(min=0)
+    cut = (ascending.gather(-1, kth) + ascending.gather(-1, next_kth)) / 2
+    return torch.where(eligible > k, cut, torch.full_like(cut, float("-inf")))
+
+
+def soft_retention_bias(ranked: torch.Tensor, cutoffs: torch.Tensor, budget: Budget, tau: float) -> torch.Tensor:
+    """Dense ``[..., S, S]`` (query, key) additive scores of the relaxed retention: ``log sigmoid((p[t] - c[d]) /
+    tau)`` for the eligible ``sink <= t <= d - window``, 0 for sinks and the window, ``-inf`` above the diagonal.
+    For tests and small S only (the attention backends compute it per block, never S×S)."""
+    size = ranked.shape[-1]
+    pos = torch.arange(size, device=ranked.device)
+    d, t = pos[:, None], pos[None, :]
+    eligible = (t >= budget.sink) & (t <= d - budget.window)
+    z = (ranked[..., None, :] - cutoffs[..., :, None]) / tau
+    bias = torch.where(eligible, torch.nn.functional.logsigmoid(z), torch.zeros((), dtype=z.dtype))
+    return bias.masked_fill(t > d, float("-inf"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,9 @@ class Runtime:
     # the kvpop policy adds the window_attention policy's priority (observed attention) to the scorers' output: the
     # scorers then learn what observed attention misses (set_window_attention_prior; saved in kvpop.json)
     window_attention_prior: bool = False
+    # training form of the static policies' one-pass forward (soft_retention): the retention rule relaxed with this
+    # temperature, so that a loss on the logits reaches the scorers through the mask (METHOD §3, KL through the mask)
+    soft_tau: float | None = None
 
 
 def _register() -> None:
@@ -246,6 +250,24 @@ def collect_priorities(model: nn.Module):
         yield store
     finally:
         runtime.collected = previous
+
+
+@contextlib.contextmanager
+def soft_retention(model: nn.Module, tau: float):
+    """One-pass forwards in the block run the relaxed retention (``kvpop.attention.SoftRetention``): every causal
+    token visible, an eligible one weighted by ``sigmoid((p[t] - c[d]) / tau)`` around the hard rule's cutoff, the
+    gradient flowing into the scorers. Training only: unpadded whole sequences (``use_cache=False``); streaming
+    layers and ``topk = 0`` keep the hard mask (nothing to rank)."""
+    if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0):
+        raise ValueError(f"soft_retention: tau must be a finite number > 0, got {tau!r}")
+    runtime = runtime_of(model)
+    if runtime.policy.dynamic or runtime.policy.ragged or runtime.policy.budget is None:
+        raise ValueError(f"soft_retention relaxes a static policy's top-k rule; the model runs {runtime.policy.name}")
+    previous, runtime.soft_tau = runtime.soft_tau, float(tau)
+    try:
+        yield
+    finally:
+        runtime.soft_tau = previous
 
 
 def scorers(model: nn.Module) -> nn.ModuleList:

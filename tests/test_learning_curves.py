@@ -99,6 +99,12 @@ def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
     message = fails(saved, "--scorer", "mlp", "--loss-options", "{}", "--checkpoints", later)
     assert "--scorer mlp (saved mlstm)" in message and '--loss-options {} (saved {"random_pairs": 2})' in message
     assert "--query-power 8.0 (saved 1.0)" in fails(saved, "--query-power", "8", "--checkpoints", later)
+    assert '--kl-options {"weight": 1} (saved {})' in fails(saved, "--kl-options", '{"weight": 1}', "--checkpoints",
+                                                             later)
+    assert "--kl-options: KLThroughMask needs weight > 0" in fails(saved, "--kl-options", '{"tau": 0}',
+                                                                    "--checkpoints", later)
+    assert "--kl-options: KL-through-the-mask options are weight, tau and top_k" in fails(
+        saved, "--kl-options", '{"beta": 1}', "--checkpoints", later)
     assert "--query-power: query_power must be a finite number >= 1" in fails(saved, "--query-power", "0.5",
                                                                                "--checkpoints", later)
     assert "training tokens already seen" in fails(saved, "--checkpoints", str(5 * TOKENS_PER_STEP))
@@ -742,3 +748,18 @@ def test_a_learned_per_head_recency_trains_and_is_reported(tiny_setup, home, tmp
     result = json.loads((tmp_path / "out" / "learning_curves_t.json").read_text())
     rates = result["points"][-1]["head_recency"]
     assert len(rates) == len(learned) and all(len(row) == v.numel() for row, v in zip(rates, learned.values()))
+
+
+def test_a_study_with_kl_through_the_mask_trains_and_logs_the_kl(tiny_setup, home, tmp_path):
+    """``--kl-options``: each step adds the relaxed forward's KL (kvpop.objective.KLThroughMask); the state keeps it
+    per step beside the losses, and the scorers differ from the same study without it."""
+    common = ["--checkpoints", str(3 * TOKENS_PER_STEP)]
+    assert curves.main(argv(tiny_setup, tmp_path / "kl", *common, "--kl-options", '{"weight": 1, "tau": 0.5}',
+                            "--save-state", str(tmp_path / "kl_state"))) == 0
+    assert curves.main(argv(tiny_setup, tmp_path / "plain", *common, "--save-state", str(tmp_path / "plain_state"))) \
+        == 0
+    progress = json.loads((tmp_path / "kl_state" / "state.json").read_text())["progress"]
+    assert len(progress["kls"]) == 3 and all(k > 0 for k in progress["kls"])
+    assert json.loads((tmp_path / "plain_state" / "state.json").read_text())["progress"]["kls"] == []
+    kl, plain = _step_files(tmp_path / "kl_state"), _step_files(tmp_path / "plain_state")
+    assert any(not torch.equal(kl[name], plain[name]) for name in kl if not name.startswith("optimizer."))
