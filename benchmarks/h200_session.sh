@@ -7,7 +7,7 @@
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
 #    norms192 train768 multik train768_11 multik_wide multik30 multik384
-#    multik_wide30 multik_wide30_planted)
+#    multik_wide30 multik_wide30_planted klmask_plain klmask)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -79,6 +79,20 @@ split_variant() {
     --scorer-options '{"features": "kv_norms"}' --tag "$tag" "$@" && \
   BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$(ls -d "$out/${name}${window}_state"/step-* | tail -1)" "$tag" \
     ${SPLIT_LAMBDAS:-0.002 0.003 0.005} --oracle ${SPLIT_ORACLE_ARGS:-}
+}
+# kl_study NAME [learning_curves options]: the multik_wide recipe (kv_norms, w256, β = 16, k 60 … 1020) to KL_TOKENS
+# (2M), tag h200_w256_qp16_NAME, champ's references and recall reused from the prose study; KL_BLEND="λ …" adds the
+# recency blend on champ, stdlib and the docs (DOCS_NEW)
+kl_study() {
+  local name=$1; shift
+  python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-330}" \
+    --train-sequences 5120 --save-state "$out/${name}_state" --window 256 --topk 252 --eval-topks 252 \
+    --query-power 16 --checkpoints "${KL_TOKENS:-2e6}" --eval-sequences 64 --dynamic-sequences 24 \
+    --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
+    --recall-tasks niah_single niah_single_essay niah_multikey_2 \
+    --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json \
+    --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 --tag "h200_w256_qp16_$name" "$@" && \
+  { [ -z "${KL_BLEND:-}" ] || blend "$(ls -d "$out/${name}_state"/step-* | tail -1)" "h200_w256_qp16_$name" $KL_BLEND; }
 }
 run_part() {
   local part=$1
@@ -348,6 +362,14 @@ run_part() {
     multik_wide30_planted) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} \
                   variant multik_wide30_planted "0.002 0.003" --scorer-options '{"features": "kv_norms"}' \
                   --train-topks 60 124 508 1020 --recall-mix 0.1 ;;
+    # issue 12, eighteenth session: KL through the mask (kvpop.objective.KLThroughMask: the top-K KL of a relaxed
+    # forward, its gradient reaching the scorers through the soft retention) beside the boundary loss, and the same
+    # recipe without it, side by side at KL_TOKENS; the soft-retention CUDA test first (logged, not gating).
+    # KL_OPTIONS / KL_NAME choose another weight or temperature
+    klmask_plain) kl_study kl_plain ;;
+    klmask)     python -m pytest -q -rs tests/test_soft_retention.py -k cuda
+                opts='{"weight": 1, "tau": 0.5}'; [ -z "${KL_OPTIONS:-}" ] || opts=$KL_OPTIONS
+                kl_study "kl_${KL_NAME:-w1_t05}" --kl-options "$opts" ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
