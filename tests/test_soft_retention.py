@@ -60,11 +60,11 @@ def test_kept_tokens_lie_above_the_cutoff_and_evicted_below(budget):
             assert torch.equal(priority[:, eligible] > cutoffs[:, d:d + 1], mask[:, d, eligible])
 
 
-def _inputs(budget, size=64, seed=0, dtype=torch.float64, heads=(4, 2)):
+def _inputs(budget, size=64, seed=0, dtype=torch.float64, heads=(4, 2), dim=8):
     generator = torch.Generator().manual_seed(seed)
     hq, hkv = heads
-    q = torch.randn(2, hq, size, 8, generator=generator, dtype=dtype)
-    k, v = (torch.randn(2, hkv, size, 8, generator=generator, dtype=dtype) for _ in range(2))
+    q = torch.randn(2, hq, size, dim, generator=generator, dtype=dtype)
+    k, v = (torch.randn(2, hkv, size, dim, generator=generator, dtype=dtype) for _ in range(2))
     ranked = torch.randn(2, hkv, size, generator=generator, dtype=dtype).requires_grad_()
     return q, k, v, ranked
 
@@ -75,13 +75,13 @@ def _attend(q, k, v, budget, *, soft=None, evict=None, backend="chunked"):
     evict = torch.full(k.shape[:3], NEVER) if evict is None else evict
     return retention_attention(q, k, v, q_pos=positions.expand(q.shape[0], size), kv_pos=positions[None, None],
                                kv_evict=evict, kv_valid=torch.ones(1, 1, size, dtype=torch.bool), budget=budget,
-                               scale=8 ** -0.5, backend=backend, soft=soft)
+                               scale=q.shape[-1] ** -0.5, backend=backend, soft=soft)
 
 
 def _dense_reference(q, k, v, ranked, cutoffs, budget, tau):
     group = q.shape[1] // k.shape[1]
     bias = soft_retention_bias(ranked, cutoffs, budget, tau).repeat_interleave(group, dim=1)
-    scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, dim=1)) * 8 ** -0.5 + bias
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, dim=1)) * q.shape[-1] ** -0.5 + bias
     return torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v.repeat_interleave(group, dim=1)).transpose(1, 2)
 
 
@@ -222,7 +222,7 @@ def test_kl_options_are_checked_in_one_line():
 def test_cuda_compiled_soft_attention_equals_the_chunked_one():
     """The compiled flex kernel with the captured priorities' gradient, bf16, against the chunked fp32 path."""
     budget = Budget(4, 256, 252)
-    q, k, v, ranked = _inputs(budget, size=2048, dtype=torch.float32, heads=(9, 3))
+    q, k, v, ranked = _inputs(budget, size=2048, dtype=torch.float32, heads=(9, 3), dim=64)  # flex: head_dim >= 16
     q, k, v = (x.cuda() for x in (q, k, v))
     ranked = ranked.detach().cuda().mul(3).requires_grad_()
     cutoffs = soft_cutoffs(ranked.detach(), budget)
