@@ -150,18 +150,33 @@ class SoftRetention(NamedTuple):
     an eligible token ``t`` (``sink <= t <= d - window``) adds ``log sigmoid((ranked[t] - cutoffs[d]) / tau)`` to query
     ``d``'s score, the gradient flowing into ``ranked``. ``cutoffs`` (:func:`kvpop.retention.soft_cutoffs`, no
     gradient) separate the tokens the hard rule keeps from those it evicts, so as ``tau -> 0`` this is the hard mask.
-    ``ranked`` and ``cutoffs`` are ``[B, Hkv, S]``; unpadded whole sequences only (positions are indices)."""
+    ``ranked`` and ``cutoffs`` are ``[B, Hkv, S]``; unpadded whole sequences only (positions are indices). ``tau`` a
+    number or a tensor broadcastable to ``ranked`` (a temperature per row: :func:`soft_temperature`)."""
 
     ranked: torch.Tensor
     cutoffs: torch.Tensor
-    tau: float
+    tau: float | torch.Tensor
+
+    def scaled(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ranked / tau, cutoffs / tau)``: what the bias compares (a Python float inside a flex score_mod is traced
+        as an unbacked symbol, so the division happens outside it)."""
+        return self.ranked / self.tau, self.cutoffs / self.tau
+
+
+def soft_temperature(ranked: torch.Tensor, tau: float, relative: bool) -> float | torch.Tensor:
+    """The relaxation's temperature for ``ranked [B, Hkv, S]``: ``tau``, or with ``relative`` ``tau`` times each row's
+    (detached) standard deviation — then scaling a scorer's output does not sharpen its gates, so a loss on the
+    relaxed forward cannot be lowered by inflating the priorities' spread (which the absolute form invites: measured,
+    results README, eighteenth session)."""
+    if not relative:
+        return tau
+    return tau * ranked.detach().std(-1, keepdim=True).clamp(min=1e-6)
 
 
 def _soft_bias(d, t, budget: Budget, ranked_t, cutoff_d):
-    """``log sigmoid(p[t] / tau - c[d] / tau)`` (the priorities and cutoffs come divided by ``tau``: a Python float
-    inside a flex score_mod is traced as an unbacked symbol) where ``t`` is eligible for ``d``, else 0 — one formula
-    for the flex score_mod and the chunked mask. ``min(z, 0) - log1p(exp(-|z|))`` is log sigmoid without overflow,
-    and exactly 0 (with no gradient) at ``c[d] = -inf``: the queries at which nothing is evicted yet."""
+    """``log sigmoid(p[t] / tau - c[d] / tau)`` (``SoftRetention.scaled``) where ``t`` is eligible for ``d``, else 0
+    — one formula for the flex score_mod and the chunked mask. ``min(z, 0) - log1p(exp(-|z|))`` is log sigmoid
+    without overflow, and exactly 0 (with no gradient) at ``c[d] = -inf``: the queries that evict nothing yet."""
     z = ranked_t - cutoff_d
     zero = torch.zeros_like(z)
     log_keep = torch.minimum(z, zero) - torch.log1p(torch.exp(-torch.abs(z)))
@@ -231,7 +246,7 @@ def _whole_sequences(query, key, q_pos, kv_pos, kv_valid) -> bool:
 
 def _soft_score_mod(soft: SoftRetention, budget: Budget, group: int):
     """KVpop's relaxed retention (:class:`SoftRetention`) on whole sequences: positions are the indices."""
-    ranked, cutoffs = soft.ranked / soft.tau, soft.cutoffs / soft.tau
+    ranked, cutoffs = soft.scaled()
 
     def score_mod(score, b, h, q_idx, kv_idx):
         g = h // group
@@ -396,6 +411,7 @@ def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, bud
     hkv, kv_len = key.shape[1], key.shape[2]
     group = hq // hkv
     rows = max(1, min(q_len, budget_bytes // max(1, bsz * hq * kv_len)))
+    ranked, cutoffs = soft.scaled() if soft is not None else (None, None)
     outs = []
     for start in range(0, q_len, rows):
         sl = slice(start, min(q_len, start + rows))
@@ -411,8 +427,7 @@ def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, bud
             attn_mask = torch.where(attn_mask, bias.repeat_interleave(group, dim=1), float("-inf")).to(query.dtype)
         if soft is not None:  # KVpop training, KL through the mask: a float mask of the relaxed retention
             t = kv_pos[:, :, None, :]
-            bias = _soft_bias(d, t, budget, soft.ranked[:, :, None, :] / soft.tau,
-                              soft.cutoffs[:, :, sl, None] / soft.tau)
+            bias = _soft_bias(d, t, budget, ranked[:, :, None, :], cutoffs[:, :, sl, None])
             attn_mask = torch.where(attn_mask, bias.repeat_interleave(group, dim=1), float("-inf")).to(query.dtype)
         out = F.scaled_dot_product_attention(query[:, :, sl], key.repeat_interleave(group, dim=1),
                                              value.repeat_interleave(group, dim=1), attn_mask=attn_mask,
@@ -527,21 +542,22 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     if runtime.collected is not None:
         runtime.collected[module.layer_idx] = ranked
     if runtime.soft_tau is not None and policy.budget.topk > 0 and module.layer_idx not in runtime.streaming_layers:
-        return _soft_sequence_attention(query, key, value, ranked, policy, runtime.soft_tau, scale, q_pos, positions,
-                                        valid)
+        return _soft_sequence_attention(query, key, value, ranked, policy, runtime.soft_tau, runtime.soft_relative,
+                                        scale, q_pos, positions, valid)
     evict = policy.evictions(raw, positions[:, None, :])
     return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
                                kv_valid=valid[:, None], budget=policy.budget, scale=scale, backend=backend)
 
 
-def _soft_sequence_attention(query, key, value, ranked, policy, tau: float, scale: float, q_pos, positions, valid):
+def _soft_sequence_attention(query, key, value, ranked, policy, tau: float, relative: bool, scale: float, q_pos,
+                             positions, valid):
     """The relaxed retention (:class:`SoftRetention`) of a static policy's ranked priorities, with the gradient into
     them: training only (``kvpop.retrofit.soft_retention``), on unpadded whole sequences, one top-k pool."""
     from kvpop.retention import soft_cutoffs
 
     policy.require_one_pool("soft retention")
     ranked = ranked.float()
-    soft = SoftRetention(ranked, soft_cutoffs(ranked.detach(), policy.budget), tau)
+    soft = SoftRetention(ranked, soft_cutoffs(ranked.detach(), policy.budget), soft_temperature(ranked, tau, relative))
     return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None],
                                kv_evict=torch.full_like(ranked, NEVER, dtype=torch.long), kv_valid=valid[:, None],
                                budget=policy.budget, scale=scale, soft=soft)

@@ -104,6 +104,8 @@ class KLThroughMask:
     mask): the one-pass forward runs :func:`kvpop.retrofit.soft_retention` at ``tau``, so the KL's gradient reaches
     the scorers' priorities through the attention it gives each eligible token, weighted by ``weight`` beside the
     boundary loss. ``top_k``: the teacher logits it is measured on (the dense pass's, at the positions ``d >= B``).
+    ``relative``: ``tau`` in units of each row's priority spread (:func:`kvpop.attention.soft_temperature`; the
+    absolute form let the first GPU run lower the relaxed KL by inflating the spread, results README, eighteenth).
 
     The boundary loss trains every keep / evict decision alike; this term weighs them by what they cost the next-token
     distribution, which is what the evaluation measures (the decisions the boundary loss gets right on average are
@@ -112,6 +114,7 @@ class KLThroughMask:
     weight: float = 1.0
     tau: float = 1.0
     top_k: int = 64
+    relative: bool = False
 
     def __post_init__(self):
         if not (self.weight > 0 and self.tau > 0) or not (isinstance(self.top_k, int) and self.top_k >= 1):
@@ -123,16 +126,18 @@ class KLThroughMask:
         """``None`` for no options (``{}``); else the term, refusing unknown keys in one line."""
         if not options:
             return None
-        unknown = set(options) - {"weight", "tau", "top_k"}
+        unknown = set(options) - {"weight", "tau", "top_k", "relative"}
         if unknown:
-            raise ValueError(f"KL-through-the-mask options are weight, tau and top_k; got {sorted(unknown)}")
+            raise ValueError(f"KL-through-the-mask options are weight, tau, top_k and relative; got {sorted(unknown)}")
+        if not isinstance(options.get("relative", False), bool):
+            raise ValueError(f"KL-through-the-mask option relative is true or false, got {options['relative']!r}")
         return cls(**options)
 
     def __call__(self, model: nn.Module, input_ids: torch.Tensor, topk_values: torch.Tensor,
                  topk_indices: torch.Tensor) -> torch.Tensor:
         """The KL (a scalar with the gradient to the scorers) of one relaxed forward of ``input_ids``."""
         budget = runtime_of(model).policy.budget
-        with soft_retention(model, self.tau):
+        with soft_retention(model, self.tau, self.relative):
             logits = model(input_ids=input_ids, use_cache=False).logits
         return topk_kl(logits, topk_values[..., :self.top_k].float(), topk_indices[..., :self.top_k].long(),
                        mask=evicting(logits, budget))

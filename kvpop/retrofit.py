@@ -64,6 +64,7 @@ class Runtime:
     # training form of the static policies' one-pass forward (soft_retention): the retention rule relaxed with this
     # temperature, so that a loss on the logits reaches the scorers through the mask (METHOD §3, KL through the mask)
     soft_tau: float | None = None
+    soft_relative: bool = False  # soft_tau times each row's priority spread (kvpop.attention.soft_temperature)
 
 
 def _register() -> None:
@@ -253,21 +254,23 @@ def collect_priorities(model: nn.Module):
 
 
 @contextlib.contextmanager
-def soft_retention(model: nn.Module, tau: float):
+def soft_retention(model: nn.Module, tau: float, relative: bool = False):
     """One-pass forwards in the block run the relaxed retention (``kvpop.attention.SoftRetention``): every causal
     token visible, an eligible one weighted by ``sigmoid((p[t] - c[d]) / tau)`` around the hard rule's cutoff, the
     gradient flowing into the scorers. Training only: unpadded whole sequences (``use_cache=False``); streaming
-    layers and ``topk = 0`` keep the hard mask (nothing to rank)."""
+    layers and ``topk = 0`` keep the hard mask (nothing to rank). ``relative``: ``tau`` in units of each (sequence, KV
+    head)'s priority spread (``kvpop.attention.soft_temperature``)."""
     if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0):
         raise ValueError(f"soft_retention: tau must be a finite number > 0, got {tau!r}")
     runtime = runtime_of(model)
     if runtime.policy.dynamic or runtime.policy.ragged or runtime.policy.budget is None:
         raise ValueError(f"soft_retention relaxes a static policy's top-k rule; the model runs {runtime.policy.name}")
-    previous, runtime.soft_tau = runtime.soft_tau, float(tau)
+    previous = runtime.soft_tau, runtime.soft_relative
+    runtime.soft_tau, runtime.soft_relative = float(tau), bool(relative)
     try:
         yield
     finally:
-        runtime.soft_tau = previous
+        runtime.soft_tau, runtime.soft_relative = previous
 
 
 def scorers(model: nn.Module) -> nn.ModuleList:

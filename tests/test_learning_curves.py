@@ -103,7 +103,7 @@ def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
                                                              later)
     assert "--kl-options: KLThroughMask needs weight > 0" in fails(saved, "--kl-options", '{"tau": 0}',
                                                                     "--checkpoints", later)
-    assert "--kl-options: KL-through-the-mask options are weight, tau and top_k" in fails(
+    assert "--kl-options: KL-through-the-mask options are weight, tau, top_k and relative" in fails(
         saved, "--kl-options", '{"beta": 1}', "--checkpoints", later)
     assert "--query-power: query_power must be a finite number >= 1" in fails(saved, "--query-power", "0.5",
                                                                                "--checkpoints", later)

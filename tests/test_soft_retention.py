@@ -13,7 +13,7 @@ import torch
 
 import kvpop
 from kvpop import Budget
-from kvpop.attention import NEVER, SoftRetention, retention_attention
+from kvpop.attention import NEVER, SoftRetention, retention_attention, soft_temperature
 from kvpop.objective import KLThroughMask
 from kvpop.online import scorer_only_step
 from kvpop.retention import eviction_positions, soft_cutoffs, soft_retention_bias, visible
@@ -183,7 +183,7 @@ def test_the_kl_reaches_the_scorers_through_the_mask_and_training_lowers_it():
         logits = model(input_ids=ids, use_cache=False).logits
     kvpop.set_policy(model, policy)
     top = logits.topk(16, dim=-1)
-    term = KLThroughMask(weight=1.0, tau=0.5, top_k=16)
+    term = KLThroughMask(weight=1.0, tau=0.5, top_k=16, relative=True)
     first = term(model, ids, top.values, top.indices)
     first.backward()
     for layer, scorer in enumerate(kvpop.scorers(model)):
@@ -208,13 +208,33 @@ def test_scorer_only_step_adds_the_weighted_kl():
     torch.testing.assert_close(both["loss"], plain["loss"] + 0.7 * both["kl"], atol=1e-6, rtol=0)
 
 
+def test_a_relative_temperature_makes_the_relaxation_blind_to_the_priorities_scale():
+    """``soft_temperature(..., relative=True)``: scaling every priority (and so every cutoff) by a positive factor
+    leaves the relaxed attention unchanged; with an absolute temperature it sharpens the gates."""
+    budget = Budget(2, 8, 10)
+    q, k, v, ranked = _inputs(budget)
+    ranked = ranked.detach()
+
+    def relaxed(priority, relative):
+        tau = soft_temperature(priority, 0.5, relative)
+        return _attend(q, k, v, budget, soft=SoftRetention(priority, soft_cutoffs(priority, budget), tau))
+
+    torch.testing.assert_close(relaxed(ranked * 7, True), relaxed(ranked, True), atol=1e-12, rtol=0)
+    assert (relaxed(ranked * 7, False) - relaxed(ranked, False)).abs().max() > 1e-3
+    assert soft_temperature(ranked, 0.5, False) == 0.5
+    torch.testing.assert_close(soft_temperature(ranked, 0.5, True), 0.5 * ranked.std(-1, keepdim=True))
+
+
 def test_kl_options_are_checked_in_one_line():
     assert KLThroughMask.from_options({}) is None and KLThroughMask.from_options(None) is None
     assert KLThroughMask.from_options({"weight": 2, "tau": 0.25}) == KLThroughMask(2, 0.25, 64)
+    assert KLThroughMask.from_options({"relative": True}).relative
+    with pytest.raises(ValueError, match="relative is true or false"):
+        KLThroughMask.from_options({"relative": "yes"})
     for bad in ({"weight": 0}, {"tau": -1}, {"top_k": 0}, {"top_k": 1.5}):
         with pytest.raises(ValueError, match="weight > 0, tau > 0 and top_k >= 1"):
             KLThroughMask.from_options(bad)
-    with pytest.raises(ValueError, match="weight, tau and top_k"):
+    with pytest.raises(ValueError, match="weight, tau, top_k and relative"):
         KLThroughMask.from_options({"temperature": 1})
 
 
