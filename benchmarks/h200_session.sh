@@ -43,7 +43,7 @@ seed() {
 }
 # variant TAG "λ …" [learning_curves options]: the prose study's w256 β = 16 recipe with those options, trained to
 # VARIANT_TOKENS (champ's references and recall settings reused), then its recency blend at those λ on champ, stdlib
-# and the rebuilt docs (BLEND_ARGS: more recency_blend options)
+# and the rebuilt docs (BLEND_ARGS: more recency_blend options; no λ: no blend)
 variant() {
   local tag=$1 lambdas=$2; shift 2
   python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-600}" \
@@ -52,7 +52,7 @@ variant() {
     --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
     --recall-tasks niah_single niah_single_essay niah_multikey_2 \
     --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json --tag "h200_w256_qp16_$tag" "$@" && \
-  blend "$(ls -d "$out/${tag}_state"/step-*)" "h200_w256_qp16_$tag" $lambdas ${BLEND_ARGS:-}
+  { [ -z "$lambdas" ] || blend "$(ls -d "$out/${tag}_state"/step-*)" "h200_w256_qp16_$tag" $lambdas ${BLEND_ARGS:-}; }
 }
 # blend CHECKPOINT TAG λ… [more recency_blend options]: a B = 512 scorer's recency blend on champ, stdlib and the
 # rebuilt docs, BLEND_SEQUENCES each (32: a re-run with 64 measures only the rest), the recall cells at 2k, paired
@@ -80,19 +80,13 @@ split_variant() {
   BLEND_SEQUENCES=${BLEND_SEQUENCES:-32} blend "$(ls -d "$out/${name}${window}_state"/step-* | tail -1)" "$tag" \
     ${SPLIT_LAMBDAS:-0.002 0.003 0.005} --oracle ${SPLIT_ORACLE_ARGS:-}
 }
-# kl_study NAME [learning_curves options]: the multik_wide recipe (kv_norms, w256, β = 16, k 60 … 1020) to KL_TOKENS
-# (2M), tag h200_w256_qp16_NAME, champ's references and recall reused from the prose study; KL_BLEND="λ …" adds the
-# recency blend on champ, stdlib and the docs (DOCS_NEW)
-kl_study() {
+# kl_variant NAME [learning_curves options]: variant NAME on the multik_wide recipe (kv_norms, k 60 … 1020) to
+# KL_TOKENS (2M) in CURVES_BUDGET_S (330 s), blended at KL_BLEND's λ on champ, stdlib and the docs (DOCS_NEW; none: no
+# blend)
+kl_variant() {
   local name=$1; shift
-  python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-330}" \
-    --train-sequences 5120 --save-state "$out/${name}_state" --window 256 --topk 252 --eval-topks 252 \
-    --query-power 16 --checkpoints "${KL_TOKENS:-2e6}" --eval-sequences 64 --dynamic-sequences 24 \
-    --recall-contexts 2048 --recall-depths 0.1 0.5 --recall-samples 8 \
-    --recall-tasks niah_single niah_single_essay niah_multikey_2 \
-    --references-from benchmarks/results/learning_curves_h200_w256_qp16_prose.json \
-    --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 --tag "h200_w256_qp16_$name" "$@" && \
-  { [ -z "${KL_BLEND:-}" ] || blend "$(ls -d "$out/${name}_state"/step-* | tail -1)" "h200_w256_qp16_$name" $KL_BLEND; }
+  VARIANT_TOKENS=${KL_TOKENS:-2e6} CURVES_BUDGET_S=${CURVES_BUDGET_S:-330} variant "$name" "${KL_BLEND:-}" \
+    --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 "$@"
 }
 run_part() {
   local part=$1
@@ -369,10 +363,10 @@ run_part() {
     # 0.5}' KL_NAME=w1_t05, 2M tokens, 09:33–09:39 side by side): 10.6k tokens/s, worse than plain on champ and
     # held-out, every recall sample lost, the priorities' spread inflated 2.4x; hence the default: the temperature
     # relative to each row's spread
-    klmask_plain) kl_study kl_plain ;;
+    klmask_plain) kl_variant kl_plain ;;
     klmask)     python -m pytest -q -rs tests/test_soft_retention.py -k cuda
                 opts='{"weight": 1, "tau": 0.25, "relative": true}'; [ -z "${KL_OPTIONS:-}" ] || opts=$KL_OPTIONS
-                kl_study "kl_${KL_NAME:-w1_r025}" --kl-options "$opts" ;;
+                kl_variant "kl_${KL_NAME:-w1_r025}" --kl-options "$opts" ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -137,7 +137,8 @@ def parse_args(argv=None):
     p.add_argument("--scorer-options", default="{}", help="JSON: fields of the scorer's config")
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
     p.add_argument("--kl-options", default="{}", help='JSON: KL through the mask beside the boundary loss '
-                   '(kvpop.objective.KLThroughMask: weight, tau, top_k), e.g. {"weight": 1, "tau": 0.5}; {}: none')
+                   '(kvpop.objective.KLThroughMask: weight, tau, top_k, relative), e.g. {"weight": 1, "tau": 0.25, '
+                   '"relative": true}; {}: none')
     p.add_argument("--recency", type=float, default=0.0)
     p.add_argument("--window-attention-prior", action="store_true", help="train the scorers on top of the window "
                    "attention prior (kvpop.set_window_attention_prior: priority = scorer + observed attention)")

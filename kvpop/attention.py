@@ -104,7 +104,7 @@ def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_
     """
     bsz, hkv, _ = kv_pos.shape
     group = num_heads // hkv
-    big = NEVER
+    big = NEVER  # past any position
     vis_end = torch.where(kv_pos < budget.sink, big, torch.maximum(kv_evict, kv_pos + budget.window))
     vis_end = torch.where(kv_valid, vis_end, -big)
     start = torch.where(kv_valid, kv_pos, big)
@@ -420,14 +420,14 @@ def _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, bud
         mask = mask.repeat_interleave(group, dim=1)  # [B, Hq, rows, N]
         sees = mask.any(-1, keepdim=True)
         attn_mask = mask | ~sees
-        if log_keep is not None:  # DMS training: a float mask, log(1 - α_t) past t's window (see retention_attention)
-            t = kv_pos[:, :, None, :]
+        t = kv_pos[:, :, None, :]
+        bias = None  # the relaxed forms (see retention_attention) are float masks
+        if log_keep is not None:  # DMS training: log(1 - α_t) past t's window
             bias = torch.where((t >= budget.sink) & (d - t >= budget.window), log_keep.expand(kv_pos.shape)[:, :, None],
                                0.0)
-            attn_mask = torch.where(attn_mask, bias.repeat_interleave(group, dim=1), float("-inf")).to(query.dtype)
-        if soft is not None:  # KVpop training, KL through the mask: a float mask of the relaxed retention
-            t = kv_pos[:, :, None, :]
+        if soft is not None:  # KVpop training, KL through the mask: the relaxed retention
             bias = _soft_bias(d, t, budget, ranked[:, :, None, :], cutoffs[:, :, sl, None])
+        if bias is not None:
             attn_mask = torch.where(attn_mask, bias.repeat_interleave(group, dim=1), float("-inf")).to(query.dtype)
         out = F.scaled_dot_product_attention(query[:, :, sl], key.repeat_interleave(group, dim=1),
                                              value.repeat_interleave(group, dim=1), attn_mask=attn_mask,

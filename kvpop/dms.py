@@ -46,10 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvpop.attention import NEVER  # eviction position of a token kept for good, as in every retention mask
 from kvpop.losses import topk_kl
 from kvpop.scorers.base import fp32_region
-
-NEVER = torch.iinfo(torch.long).max // 4  # eviction position of a token kept for good (as kvpop.attention's masks)
 NO_DECISION = float("-inf")  # decision logit of a token that is never evicted: the last one, sinks, padding
 
 
