@@ -7,7 +7,7 @@
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
 #    norms192 train768 multik train768_11 multik_wide multik30 multik384
-#    multik_wide30 multik_wide30_planted klmask_plain klmask)
+#    multik_wide30 multik_wide30_planted klmask_plain klmask ft_plain ft_kl ft_kl03)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -24,12 +24,13 @@ export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OF
 # a share of 0.25 / 0.5 lost recall (0.375 / 0.50 of 8 headline samples, the scorer alone 0.75)
 ANCHOR_GRID="--recency 0.003 0.01 --anchors 0.5 0.75 --anchor-recency 0.0005 0.001"
 mkdir -p "$out"
-# unpack w256 | w128: a committed champ scorer into $out/rb512 | $out/rb256, once, whichever part asks first (parts run
+# unpack w256 | w128 | wide30: a committed champ scorer into $out/rb512 | $out/rb256 | $out/wide30, once, whichever part asks first (parts run
 # side by side: two tars into one folder race)
 unpack() {
   local tgz folder
   case $1 in w256) tgz=learning_curves_h200_w256_qp16_scorer.tgz folder=rb512 ;;
-             w128) tgz=learning_curves_h200_w128_qp16_at256_scorer.tgz folder=rb256 ;; esac
+             w128) tgz=learning_curves_h200_w128_qp16_at256_scorer.tgz folder=rb256 ;;
+             wide30) tgz=learning_curves_h200_w256_qp16_multik_wide30_scorer.tgz folder=wide30 ;; esac
   mkdir -p "$out/$folder"
   flock "$out/.unpack.lock" sh -c "ls '$out/$folder'/step-*/kvpop.json >/dev/null 2>&1 || \
     tar xzf benchmarks/results/checkpoints/$tgz -C '$out/$folder'"
@@ -87,6 +88,16 @@ kl_variant() {
   local name=$1; shift
   VARIANT_TOKENS=${KL_TOKENS:-2e6} CURVES_BUDGET_S=${CURVES_BUDGET_S:-330} variant "$name" "${KL_BLEND:-}" \
     --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 "$@"
+}
+# ft_variant NAME [learning_curves options]: the committed 30M wide-spread scorer (multik_wide30, step 1832) trained on
+# with its own recipe (kv_norms, k 60 … 1020) at lr FT_LR (1e-3), fresh AdamW, to FT_TOKENS (3M) in CURVES_BUDGET_S
+# (540 s), tag h200_w256_qp16_ft_NAME, blended at FT_BLEND's λ (0.0025 0.003 0.004) on champ, stdlib and the docs
+ft_variant() {
+  local name=$1; shift
+  unpack wide30
+  VARIANT_TOKENS=${FT_TOKENS:-3e6} CURVES_BUDGET_S=${CURVES_BUDGET_S:-540} variant "ft_$name" \
+    "${FT_BLEND:-0.0025 0.003 0.004}" --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 \
+    --lr "${FT_LR:-1e-3}" --init-from "$out/wide30/step-0001832" "$@"
 }
 run_part() {
   local part=$1
@@ -367,6 +378,12 @@ run_part() {
     klmask)     python -m pytest -q -rs tests/test_soft_retention.py -k cuda
                 opts='{"weight": 1, "tau": 0.25, "relative": true}'; [ -z "${KL_OPTIONS:-}" ] || opts=$KL_OPTIONS
                 kl_variant "kl_${KL_NAME:-w1_r025}" --kl-options "$opts" ;;
+    # the fine-tuning pair: without (the control: more of the same boundary loss) and with KL through the mask, ranked
+    # inside the relaxed forward by the decay the scorer is evaluated with (λ 0.003), weight 1 or 0.3
+    ft_plain)   ft_variant plain ;;
+    ft_kl)      ft_variant kl_w1_r025_l003 --kl-options '{"weight": 1, "tau": 0.25, "relative": true, "recency": 0.003}' ;;
+    ft_kl03)    ft_variant kl_w03_r025_l003 \
+                  --kl-options '{"weight": 0.3, "tau": 0.25, "relative": true, "recency": 0.003}' ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

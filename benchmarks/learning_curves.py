@@ -86,7 +86,7 @@ STUDY_ARGS = ("source", "mix_source", "mix_sequences", "recall_mix", "seq_len", 
               "warmup", "batch", "seed", "window_attention_prior")
 # study settings that came after studies were first saved: the value a study saved without one ran with
 SAVED_BEFORE = {"query_power": 1.0, "eval_sources": [], "mix_source": None, "mix_sequences": 0, "recall_mix": 0.0,
-                "kl_options": {},
+                "kl_options": {}, "init_from": None,
                 "window_attention_prior": False}
 EVAL_ARGS = ("eval_crs", "eval_topks", "eval_sequences", "eval_sources", "heuristics", "dynamic_sequences",
              "recall_tasks", "recall_contexts", "recall_depths", "recall_samples", "recall_min_dense", "recall_tokens",
@@ -137,9 +137,12 @@ def parse_args(argv=None):
     p.add_argument("--scorer-options", default="{}", help="JSON: fields of the scorer's config")
     p.add_argument("--loss-options", default="{}", help='JSON: retention_loss options, e.g. {"balance": true}')
     p.add_argument("--kl-options", default="{}", help='JSON: KL through the mask beside the boundary loss '
-                   '(kvpop.objective.KLThroughMask: weight, tau, top_k, relative), e.g. {"weight": 1, "tau": 0.25, '
+                   '(kvpop.objective.KLThroughMask: weight, tau, top_k, relative, recency), e.g. {"weight": 1, "tau": 0.25, '
                    '"relative": true}; {}: none')
     p.add_argument("--recency", type=float, default=0.0)
+    p.add_argument("--init-from", metavar="DIR", default="", help="start the scorers from a saved scorer folder (a "
+                   "study's step-* folder on this base, at this --window and --scorer-options): fine-tuning; its "
+                   "weights' sha256 is a study setting")
     p.add_argument("--window-attention-prior", action="store_true", help="train the scorers on top of the window "
                    "attention prior (kvpop.set_window_attention_prior: priority = scorer + observed attention)")
     p.add_argument("--features", default="dense", choices=["dense", "student"])
@@ -295,8 +298,39 @@ def study_settings(args, base_sha256: str, train_sequences: int) -> dict:
     out = {name: getattr(args, name) for name in STUDY_ARGS + EVAL_ARGS}
     for name in ("scorer_options", "loss_options", "kl_options"):
         out[name] = json.loads(getattr(args, name))
-    out.update(base_sha256=base_sha256, dtype=resolved_dtype(args), train_sequences=train_sequences)
+    out.update(base_sha256=base_sha256, dtype=resolved_dtype(args), train_sequences=train_sequences,
+               init_from=init_scorers(args, base_sha256))
     return out
+
+
+def init_scorers(args, base_sha256: str) -> str | None:
+    """``--init-from``'s scorer weights sha256 (``None`` without it), after checking in one :class:`ConfigError` line
+    that the folder holds this study's scorers (``--scorer``, ``--scorer-options``) trained on this base at this
+    window (the scorers read priorities that late)."""
+    from kvpop.files import sha256_file
+    from kvpop.retrofit import CONFIG_FILE, SCORERS_FILE
+    from pipelines.config import ConfigError
+
+    if not args.init_from:
+        return None
+    folder = Path(args.init_from)
+    try:
+        meta = json.loads((folder / CONFIG_FILE).read_text())
+        window, trained_on, scorer = meta["budget"]["window"], meta["base"]["weights_sha256"], meta["scorer"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"--init-from {folder}: not a saved scorer folder (a study's step-* folder with "
+                          f"{CONFIG_FILE}; {type(err).__name__}: {err})") from None
+    if window != args.window or trained_on != base_sha256:
+        raise ConfigError(f"--init-from {folder}: trained at window {window} on base {trained_on[:12]}…, this study "
+                          f"trains at --window {args.window} on {base_sha256[:12]}…: start from scorers of this "
+                          f"window and base")
+    mine = {"name": args.scorer, **json.loads(args.scorer_options)}
+    if scorer != mine:
+        raise ConfigError(f"--init-from {folder}: its scorers are {json.dumps(scorer)}, this study's "
+                          f"{json.dumps(mine)}: give the --scorer and --scorer-options they were trained with")
+    if not (folder / SCORERS_FILE).is_file():
+        raise ConfigError(f"--init-from {folder}: {SCORERS_FILE} is missing")
+    return sha256_file(folder / SCORERS_FILE)
 
 
 # ------------------------------------------------------------------------------------------------ training state
@@ -771,6 +805,7 @@ def run(args) -> dict:
     from kvpop.evaluation import Setting
     from kvpop.pretrained import load_pretrained
     from kvpop.scorers.base import HEAD_RECENCY_UNIT
+    from pipelines.config import ConfigError
     from pipelines.data import load_sequences
 
     started = time.perf_counter()
@@ -809,6 +844,12 @@ def run(args) -> dict:
     kvpop.retrofit(model, train_budget, scorer=args.scorer, policy="kvpop", recency=args.recency,
                    scorer_options=json.loads(args.scorer_options))
     kvpop.set_window_attention_prior(model, args.window_attention_prior)
+    if args.init_from and not manifest:
+        try:
+            kvpop.load_scorers(model, args.init_from)
+        except ValueError as err:  # other scorer options: the weights do not fit
+            raise ConfigError(f"--init-from {args.init_from}: {err}") from None
+        print(f"[curves] scorers start from {args.init_from}", flush=True)
     trainer = Trainer(model, args, len(train_ids), device)
     if manifest:  # the scorers, the optimizer, the data order, and every point and reference so far
         kvpop.load_scorers(model, study.resume / manifest["model"])

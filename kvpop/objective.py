@@ -106,6 +106,8 @@ class KLThroughMask:
     boundary loss. ``top_k``: the teacher logits it is measured on (the dense pass's, at the positions ``d >= B``).
     ``relative``: ``tau`` in units of each row's priority spread (:func:`kvpop.attention.soft_temperature`; the
     absolute form let the first GPU run lower the relaxed KL by inflating the spread, results README, eighteenth).
+    ``recency``: the relaxed forward ranks by scorer + ``recency`` · t (the decay the scorer is evaluated with)
+    instead of the policy's own term; the boundary loss keeps the policy's.
 
     The boundary loss trains every keep / evict decision alike; this term weighs them by what they cost the next-token
     distribution, which is what the evaluation measures (the decisions the boundary loss gets right on average are
@@ -115,20 +117,26 @@ class KLThroughMask:
     tau: float = 1.0
     top_k: int = 64
     relative: bool = False
+    recency: float | None = None
 
     def __post_init__(self):
         if not (self.weight > 0 and self.tau > 0) or not (isinstance(self.top_k, int) and self.top_k >= 1):
             raise ValueError(f"KLThroughMask needs weight > 0, tau > 0 and top_k >= 1; got weight={self.weight}, "
                              f"tau={self.tau}, top_k={self.top_k!r}")
+        if self.recency is not None and not (isinstance(self.recency, (int, float))
+                                             and not isinstance(self.recency, bool)
+                                             and 0 <= self.recency < float("inf")):
+            raise ValueError(f"KLThroughMask needs recency >= 0 (or none: the policy's), got {self.recency!r}")
 
     @classmethod
     def from_options(cls, options: dict | None) -> "KLThroughMask | None":
         """``None`` for no options (``{}``); else the term, refusing unknown keys in one line."""
         if not options:
             return None
-        unknown = set(options) - {"weight", "tau", "top_k", "relative"}
+        unknown = set(options) - {"weight", "tau", "top_k", "relative", "recency"}
         if unknown:
-            raise ValueError(f"KL-through-the-mask options are weight, tau, top_k and relative; got {sorted(unknown)}")
+            raise ValueError(f"KL-through-the-mask options are weight, tau, top_k, relative and recency; got "
+                             f"{sorted(unknown)}")
         if not isinstance(options.get("relative", False), bool):
             raise ValueError(f"KL-through-the-mask option relative is true or false, got {options['relative']!r}")
         return cls(**options)
@@ -137,7 +145,7 @@ class KLThroughMask:
                  topk_indices: torch.Tensor) -> torch.Tensor:
         """The KL (a scalar with the gradient to the scorers) of one relaxed forward of ``input_ids``."""
         budget = runtime_of(model).policy.budget
-        with soft_retention(model, self.tau, self.relative):
+        with soft_retention(model, self.tau, self.relative, self.recency):
             logits = model(input_ids=input_ids, use_cache=False).logits
         return topk_kl(logits, topk_values[..., :self.top_k].float(), topk_indices[..., :self.top_k].long(),
                        mask=evicting(logits, budget))

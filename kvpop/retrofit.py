@@ -10,6 +10,7 @@ of a second copy of the weights (format 2).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import types
@@ -254,23 +255,30 @@ def collect_priorities(model: nn.Module):
 
 
 @contextlib.contextmanager
-def soft_retention(model: nn.Module, tau: float, relative: bool = False):
+def soft_retention(model: nn.Module, tau: float, relative: bool = False, recency: float | None = None):
     """One-pass forwards in the block run the relaxed retention (``kvpop.attention.SoftRetention``): every causal
     token visible, an eligible one weighted by ``sigmoid((p[t] - c[d]) / tau)`` around the hard rule's cutoff, the
     gradient flowing into the scorers. Training only: unpadded whole sequences (``use_cache=False``); streaming
     layers and ``topk = 0`` keep the hard mask (nothing to rank). ``relative``: ``tau`` in units of each (sequence, KV
-    head)'s priority spread (``kvpop.attention.soft_temperature``)."""
+    head)'s priority spread (``kvpop.attention.soft_temperature``). ``recency``: inside the block the policy ranks by
+    scorer + ``recency`` · t instead of its own term (METHOD §3), so a scorer trained at λ = 0 learns what the decay
+    it is evaluated with leaves to it."""
     if not (isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0):
         raise ValueError(f"soft_retention: tau must be a finite number > 0, got {tau!r}")
+    if recency is not None and not (isinstance(recency, (int, float)) and not isinstance(recency, bool)
+                                    and math.isfinite(recency) and recency >= 0):
+        raise ValueError(f"soft_retention: recency must be a finite number >= 0, got {recency!r}")
     runtime = runtime_of(model)
     if runtime.policy.dynamic or runtime.policy.ragged or runtime.policy.budget is None:
         raise ValueError(f"soft_retention relaxes a static policy's top-k rule; the model runs {runtime.policy.name}")
-    previous = runtime.soft_tau, runtime.soft_relative
+    previous = runtime.soft_tau, runtime.soft_relative, runtime.policy
     runtime.soft_tau, runtime.soft_relative = float(tau), bool(relative)
+    if recency is not None:
+        runtime.policy = dataclasses.replace(runtime.policy, recency=float(recency))
     try:
         yield
     finally:
-        runtime.soft_tau, runtime.soft_relative = previous
+        runtime.soft_tau, runtime.soft_relative, runtime.policy = previous
 
 
 def scorers(model: nn.Module) -> nn.ModuleList:

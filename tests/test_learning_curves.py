@@ -103,7 +103,7 @@ def test_bad_resume_is_one_line(tiny_setup, home, saved, tmp_path, capsys):
                                                              later)
     assert "--kl-options: KLThroughMask needs weight > 0" in fails(saved, "--kl-options", '{"tau": 0}',
                                                                     "--checkpoints", later)
-    assert "--kl-options: KL-through-the-mask options are weight, tau, top_k and relative" in fails(
+    assert "--kl-options: KL-through-the-mask options are weight, tau, top_k, relative and recency" in fails(
         saved, "--kl-options", '{"beta": 1}', "--checkpoints", later)
     assert "--query-power: query_power must be a finite number >= 1" in fails(saved, "--query-power", "0.5",
                                                                                "--checkpoints", later)
@@ -763,3 +763,34 @@ def test_a_study_with_kl_through_the_mask_trains_and_logs_the_kl(tiny_setup, hom
     assert json.loads((tmp_path / "plain_state" / "state.json").read_text())["progress"]["kls"] == []
     kl, plain = _step_files(tmp_path / "kl_state"), _step_files(tmp_path / "plain_state")
     assert any(not torch.equal(kl[name], plain[name]) for name in kl if not name.startswith("optimizer."))
+
+
+def test_a_study_can_start_from_saved_scorers(tiny_setup, home, saved, tmp_path, capsys):
+    """``--init-from``: at lr 0 the study's scorers stay the saved ones and its points measure exactly what the saved
+    study's last point did; the weights' digest is a study setting (a resume without it is refused); a folder that is
+    not a scorer folder, of another window or of other scorers is one line and exit 2."""
+    folder = saved / json.loads((saved / "state.json").read_text())["model"]
+    assert curves.main(argv(tiny_setup, tmp_path / "out", "--checkpoints", str(TOKENS_PER_STEP), "--lr", "0",
+                            "--init-from", str(folder), "--save-state", str(tmp_path / "st"))) == 0
+    mine = _step_files(tmp_path / "st")
+    for name, value in load_file(str(folder / "kvpop_scorers.safetensors")).items():
+        torch.testing.assert_close(mine[name], value, rtol=0, atol=0, msg=name)
+    fine_tuned = json.loads((tmp_path / "out" / "learning_curves_t.json").read_text())
+    first = json.loads((saved.parent / "out" / "learning_curves_t.json").read_text())
+    kl = lambda point: sorted((x["item"], x["policy"], x["budget"], x["kl"]) for x in point["records"])  # noqa: E731
+    assert kl(fine_tuned["points"][0]) == kl(fine_tuned["points"][-1]) == kl(first["points"][-1])
+    assert kl(first["points"][0]) != kl(first["points"][-1])  # the saved study did move its scorers
+    assert fine_tuned["meta"]["study"]["init_from"] != first["meta"]["study"].get("init_from") is None
+
+    def fails(*extra) -> str:
+        capsys.readouterr()
+        assert curves.main(argv(tiny_setup, tmp_path / "bad", "--checkpoints", str(TOKENS_PER_STEP), *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        return err
+
+    assert "not a saved scorer folder" in fails("--init-from", str(tmp_path))
+    assert "trained at window 8" in fails("--init-from", str(folder), "--window", "6")
+    assert "give the --scorer and --scorer-options" in fails("--init-from", str(folder), "--scorer", "mlp")
+    assert "--init-from None (saved " in fails("--resume", str(tmp_path / "st"), "--checkpoints",
+                                               str(3 * TOKENS_PER_STEP))

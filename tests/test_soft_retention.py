@@ -157,11 +157,38 @@ def test_a_retrofitted_model_under_soft_retention_tends_to_its_hard_forward():
     assert runtime_of(model).soft_tau is None
 
 
+def test_a_relaxed_forward_ranks_with_the_recency_it_is_given_and_restores_the_policy():
+    """``soft_retention(..., recency=λ)``: the relaxed forward of a λ = 0 model equals that of the same model whose
+    policy carries λ (at a tiny temperature: its hard forward at λ, which differs from λ = 0's); the policy is the
+    model's own again after the block."""
+    model = retrofitted(layers=2)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5))
+    own = runtime_of(model).policy
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        with soft_retention(model, 0.5, recency=0.3):
+            swapped = model(input_ids=ids, use_cache=False).logits
+        with soft_retention(model, 1e-7, recency=0.3):
+            sharp = model(input_ids=ids, use_cache=False).logits
+        assert runtime_of(model).policy is own
+        kvpop.set_policy(model, "kvpop", own.budget, recency=0.3)
+        decayed = model(input_ids=ids, use_cache=False).logits
+        with soft_retention(model, 0.5):
+            carried = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(swapped, carried, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sharp, decayed, atol=1e-5, rtol=0)
+    assert (decayed - plain).abs().max() > 1e-3  # λ = 0.3 changes what is kept at this size
+
+
 def test_soft_retention_is_refused_where_it_is_undefined():
     model = retrofitted()
     for tau in (0, -1.0, float("nan"), float("inf"), True):
         with pytest.raises(ValueError, match="tau must be"):
             with soft_retention(model, tau):
+                pass
+    for recency in (-0.1, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match="recency must be a finite number >= 0"):
+            with soft_retention(model, 1.0, recency=recency):
                 pass
     kvpop.set_policy(model, "tova", Budget(2, 6, 8))
     with pytest.raises(ValueError, match="static policy"):
@@ -229,12 +256,16 @@ def test_kl_options_are_checked_in_one_line():
     assert KLThroughMask.from_options({}) is None and KLThroughMask.from_options(None) is None
     assert KLThroughMask.from_options({"weight": 2, "tau": 0.25}) == KLThroughMask(2, 0.25, 64)
     assert KLThroughMask.from_options({"relative": True}).relative
+    assert KLThroughMask.from_options({"recency": 0.003}).recency == 0.003 and KLThroughMask().recency is None
+    for bad in (-1, float("nan"), float("inf"), "0.1", True):
+        with pytest.raises(ValueError, match="recency >= 0"):
+            KLThroughMask.from_options({"recency": bad})
     with pytest.raises(ValueError, match="relative is true or false"):
         KLThroughMask.from_options({"relative": "yes"})
     for bad in ({"weight": 0}, {"tau": -1}, {"top_k": 0}, {"top_k": 1.5}):
         with pytest.raises(ValueError, match="weight > 0, tau > 0 and top_k >= 1"):
             KLThroughMask.from_options(bad)
-    with pytest.raises(ValueError, match="weight, tau, top_k and relative"):
+    with pytest.raises(ValueError, match="weight, tau, top_k, relative and recency"):
         KLThroughMask.from_options({"temperature": 1})
 
 
