@@ -71,11 +71,11 @@ def _inputs(budget, size=64, seed=0, dtype=torch.float64, heads=(4, 2), dim=8):
 
 def _attend(q, k, v, budget, *, soft=None, evict=None, backend="chunked"):
     size = q.shape[2]
-    positions = torch.arange(size)
-    evict = torch.full(k.shape[:3], NEVER) if evict is None else evict
+    positions = torch.arange(size, device=q.device)  # on the GPU too: compiled flex cannot index a CPU tensor
+    evict = torch.full(k.shape[:3], NEVER, device=q.device) if evict is None else evict
     return retention_attention(q, k, v, q_pos=positions.expand(q.shape[0], size), kv_pos=positions[None, None],
-                               kv_evict=evict, kv_valid=torch.ones(1, 1, size, dtype=torch.bool), budget=budget,
-                               scale=q.shape[-1] ** -0.5, backend=backend, soft=soft)
+                               kv_evict=evict, kv_valid=torch.ones(1, 1, size, dtype=torch.bool, device=q.device),
+                               budget=budget, scale=q.shape[-1] ** -0.5, backend=backend, soft=soft)
 
 
 def _dense_reference(q, k, v, ranked, cutoffs, budget, tau):
