@@ -274,7 +274,7 @@ def test_cuda_compiled_soft_attention_equals_the_chunked_one():
     """The compiled flex kernel with the captured priorities' gradient, bf16, against the chunked fp32 path."""
     budget = Budget(4, 256, 252)
     q, k, v, ranked = _inputs(budget, size=2048, dtype=torch.float32, heads=(9, 3), dim=64)  # flex: head_dim >= 16
-    q, k, v = (x.cuda() for x in (q, k, v))
+    q, k, v = (x.cuda().requires_grad_() for x in (q, k, v))  # as in training (flex's backward wants them)
     ranked = ranked.detach().cuda().mul(3).requires_grad_()
     cutoffs = soft_cutoffs(ranked.detach(), budget)
     soft = SoftRetention(ranked, cutoffs, 0.5)
