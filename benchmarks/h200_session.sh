@@ -7,7 +7,7 @@
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
 #    norms192 train768 multik train768_11 multik_wide multik30 multik384
-#    multik_wide30 multik_wide30_planted klmask_plain klmask ft_plain ft_kl ft_kl03)
+#    multik_wide30 multik_wide30_planted klmask_plain klmask ft_plain ft_kl ft_kl03 ft_plain_mix ft_kl_mix)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -98,6 +98,14 @@ ft_variant() {
   VARIANT_TOKENS=${FT_TOKENS:-3e6} CURVES_BUDGET_S=${CURVES_BUDGET_S:-540} variant "ft_$name" \
     "${FT_BLEND:-0.0025 0.003 0.004}" --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 \
     --lr "${FT_LR:-1e-3}" --init-from "$out/wide30/step-0001832" "$@"
+}
+# ft_mix NAME [learning_curves options]: ft_variant NAME_mix_FT_MIX_NAME on a pool of FT_POOL (1680) champ sequences
+# and FT_MIX_SEQUENCES (560, a quarter of the pool) of FT_MIX (default the docs, $DOCS_NEW; FT_MIX_NAME docs): the
+# corpus mixed in is no longer held out, the other one is
+ft_mix() {
+  local name=$1; shift
+  ft_variant "${name}_mix_${FT_MIX_NAME:-docs}" --train-sequences "${FT_POOL:-1680}" --mix-source "${FT_MIX:-${DOCS_NEW:?}}" \
+    --mix-sequences "${FT_MIX_SEQUENCES:-560}" "$@"
 }
 run_part() {
   local part=$1
@@ -384,6 +392,9 @@ run_part() {
     ft_kl)      ft_variant kl_w1_r025_l003 --kl-options '{"weight": 1, "tau": 0.25, "relative": true, "recency": 0.003}' ;;
     ft_kl03)    ft_variant kl_w03_r025_l003 \
                   --kl-options '{"weight": 0.3, "tau": 0.25, "relative": true, "recency": 0.003}' ;;
+    # the same pair on a mixed pool: is what the KL learns particular to the corpus it is measured on?
+    ft_plain_mix) ft_mix plain ;;
+    ft_kl_mix)  ft_mix kl_w1_r01_l003 --kl-options '{"weight": 1, "tau": 0.1, "relative": true, "recency": 0.003}' ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
