@@ -24,8 +24,11 @@ export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OF
 # a share of 0.25 / 0.5 lost recall (0.375 / 0.50 of 8 headline samples, the scorer alone 0.75)
 ANCHOR_GRID="--recency 0.003 0.01 --anchors 0.5 0.75 --anchor-recency 0.0005 0.001"
 mkdir -p "$out"
-# unpack w256 | w128 | wide30: a committed champ scorer into $out/rb512 | $out/rb256 | $out/wide30, once, whichever part asks first (parts run
-# side by side: two tars into one folder race)
+# the multik_wide recipe: the kv_norms scorer with the multi-budget boundary loss at k 60, 124, 252 (the budget's),
+# 508 and 1020 (seventeenth session)
+WIDE=(--scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020)
+# unpack w256 | w128 | wide30: a committed champ scorer into $out/rb512 | $out/rb256 | $out/wide30, once, whichever
+# part asks first (parts run side by side: two tars into one folder race)
 unpack() {
   local tgz folder
   case $1 in w256) tgz=learning_curves_h200_w256_qp16_scorer.tgz folder=rb512 ;;
@@ -87,7 +90,7 @@ split_variant() {
 kl_variant() {
   local name=$1; shift
   VARIANT_TOKENS=${KL_TOKENS:-2e6} CURVES_BUDGET_S=${CURVES_BUDGET_S:-330} variant "$name" "${KL_BLEND:-}" \
-    --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 "$@"
+    "${WIDE[@]}" "$@"
 }
 # ft_variant NAME [learning_curves options]: the committed 30M wide-spread scorer (multik_wide30, step 1832) trained on
 # with its own recipe (kv_norms, k 60 … 1020) at lr FT_LR (1e-3), fresh AdamW, to FT_TOKENS (3M) in CURVES_BUDGET_S
@@ -96,8 +99,7 @@ ft_variant() {
   local name=$1; shift
   unpack wide30
   VARIANT_TOKENS=${FT_TOKENS:-3e6} CURVES_BUDGET_S=${CURVES_BUDGET_S:-540} variant "ft_$name" \
-    "${FT_BLEND:-0.0025 0.003 0.004}" --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 \
-    --lr "${FT_LR:-1e-3}" --init-from "$out/wide30/step-0001832" "$@"
+    "${FT_BLEND:-0.0025 0.003 0.004}" "${WIDE[@]}" --lr "${FT_LR:-1e-3}" --init-from "$out/wide30/step-0001832" "$@"
 }
 # ft_mix NAME [learning_curves options]: ft_variant NAME_mix_FT_MIX_NAME on a pool of FT_POOL (1680) champ sequences
 # and FT_MIX_SEQUENCES (560, a quarter of the pool) of FT_MIX (default the docs, $DOCS_NEW; FT_MIX_NAME docs): the
@@ -355,7 +357,7 @@ run_part() {
     # 11M tokens (blends at λ 0.002 / 0.0025 / 0.003), and the preset's k 124 / 508 at 30M (1.4 epochs of the pool;
     # λ 0.002 / 0.003 to fit a session), on 32 items, paired with multik11's; ~10 / ~18 min side by side
     multik_wide) VARIANT_TOKENS=11e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-720} variant multik_wide "0.002 0.0025 0.003" \
-                  --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 ;;
+                  "${WIDE[@]}" ;;
     # the protected window the other way from w128: s4-w384-k124 (B = 512), 384 recent tokens and 124 ranked, with the
     # several-budget loss at half, one and two times its k, 4M tokens; TOVA / H2O from the blend's references, the
     # oracle of its own split alone (no oracle + λ)
@@ -371,10 +373,9 @@ run_part() {
     # part ran under the name multik_wide30_recall (its results renamed _planted: the old tag's result files collided
     # with multik_wide30's recall answers, recency_blend_<tag>_recall.jsonl)
     multik_wide30) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} variant multik_wide30 "0.002 0.003" \
-                  --scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020 ;;
+                  "${WIDE[@]}" ;;
     multik_wide30_planted) VARIANT_TOKENS=30e6 CURVES_BUDGET_S=${CURVES_BUDGET_S:-840} \
-                  variant multik_wide30_planted "0.002 0.003" --scorer-options '{"features": "kv_norms"}' \
-                  --train-topks 60 124 508 1020 --recall-mix 0.1 ;;
+                  variant multik_wide30_planted "0.002 0.003" "${WIDE[@]}" --recall-mix 0.1 ;;
     # issue 12, eighteenth session: KL through the mask (kvpop.objective.KLThroughMask: the top-K KL of a relaxed
     # forward, its gradient reaching the scorers through the soft retention) beside the boundary loss, and the same
     # recipe without it, side by side at KL_TOKENS; the soft-retention CUDA test first (logged, not gating).
