@@ -7,7 +7,8 @@
 #    stdlib_trained recency_blend recency_trained recency_trained256 anchors anchors256 anchors_docs sl_blend age
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
 #    norms192 train768 multik train768_11 multik_wide multik30 multik384
-#    multik_wide30 multik_wide30_planted klmask_plain klmask ft_plain ft_kl ft_kl03 ft_plain_mix ft_kl_mix)
+#    multik_wide30 multik_wide30_planted klmask_plain klmask ft_plain ft_kl ft_kl03 ft_plain_mix ft_kl_mix
+#    ft_plain_kernel ft_plain_kernel_half ft_plain8 ft_plain_mix8 ft_plain_kernel8 ft_plain_kernel_half8)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -396,6 +397,17 @@ run_part() {
     # the same pair on a mixed pool: is what the KL learns particular to the corpus it is measured on?
     ft_plain_mix) ft_mix plain ;;
     ft_kl_mix)  ft_mix kl_w1_r01_l003 --kl-options '{"weight": 1, "tau": 0.1, "relative": true, "recency": 0.003}' ;;
+    # the plain fine-tuning on champ + the Linux kernel's documentation (KERNEL_DOCS: benchmarks/python_docs_corpus.py
+    # --deb linux-doc-6.1_*.deb --exclude translations), a quarter or half of the pool: stdlib and the docs both unseen
+    ft_plain_kernel) FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel ft_mix plain ;;
+    ft_plain_kernel_half) FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel FT_POOL=1120 FT_MIX_SEQUENCES=1120 \
+                  ft_mix plain_half ;;
+    # the same three (and the champ-only control) to 8M tokens
+    ft_plain8)  FT_TOKENS=8e6 ft_variant plain8 ;;
+    ft_plain_mix8) FT_TOKENS=8e6 ft_mix plain8 ;;
+    ft_plain_kernel8) FT_TOKENS=8e6 FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel ft_mix plain8 ;;
+    ft_plain_kernel_half8) FT_TOKENS=8e6 FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel FT_POOL=1120 \
+                  FT_MIX_SEQUENCES=1120 ft_mix plain_half8 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

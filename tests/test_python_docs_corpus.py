@@ -37,3 +37,27 @@ def test_sources_become_a_corpus_the_data_stage_reads(tmp_path, capsys):
     empty.mkdir()
     assert corpus.main(["--sources", str(empty), "--out", str(out)]) == 2
     assert "no non-empty *.rst.txt" in capsys.readouterr().err
+
+
+def test_exclude_leaves_out_whole_subfolders_only(tmp_path, capsys):
+    sources = tmp_path / "_sources"
+    for path in ["translations/zh_CN/index.rst.txt", "translations.rst.txt", "admin-guide/translations/x.rst.txt",
+                 "admin-guide/index.rst.txt", "translationsx/a.rst.txt"]:
+        (sources / path).parent.mkdir(parents=True, exist_ok=True)
+        (sources / path).write_text(f"text of {path}\n")
+    out = tmp_path / "kernel.jsonl"
+    assert corpus.main(["--sources", str(sources), "--exclude", "translations", "--out", str(out)]) == 0
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    # only the top-level subfolder named goes: a file of that name, a nested folder of that name and a longer name stay
+    assert ids == ["admin-guide/index.rst.txt", "admin-guide/translations/x.rst.txt", "translations.rst.txt",
+                   "translationsx/a.rst.txt"]
+    assert corpus.main(["--sources", str(sources), "--exclude", "admin-guide/translations", "translations",
+                        "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 3
+    capsys.readouterr()
+    only = tmp_path / "only"
+    (only / "translations").mkdir(parents=True)
+    (only / "translations" / "a.rst.txt").write_text("x\n")
+    assert corpus.main(["--sources", str(only), "--exclude", "translations", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "outside translations" in err, err
