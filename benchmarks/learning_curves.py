@@ -284,6 +284,20 @@ def study_config(args, train_sequences: int, source: str | None = None):
                          args.eval_sequences, args.seed, 1 if source else train_sequences, evaluation + planted)
 
 
+def training_config(args, train_sequences: int):
+    """:func:`study_config` with ``--mix-source`` as the pipeline's data mix (``data.mix_source`` /
+    ``data.mix_sequences``, :mod:`pipelines.data`): its training split is the pool — the corpus's sequences, then the
+    mix corpus's own first ``--mix-sequences`` training sequences (its held-out documents never enter). Only the pool
+    is read from it: readers of a study's held-out split keep :func:`study_config`, which needs no mix file."""
+    import dataclasses
+
+    cfg = study_config(args, train_sequences)
+    if not args.mix_source:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix_source=args.mix_source,
+                                                             mix_sequences=args.mix_sequences))
+
+
 def training_budget(args) -> dict:
     """The budget the scorer trains at, as :func:`corpus_config` takes it."""
     return {"sink": args.sink, "window": args.window, "topk": args.topk}
@@ -306,31 +320,17 @@ def study_settings(args, base_sha256: str, train_sequences: int) -> dict:
 def init_scorers(args, base_sha256: str) -> str | None:
     """``--init-from``'s scorer weights sha256 (``None`` without it), after checking in one :class:`ConfigError` line
     that the folder holds this study's scorers (``--scorer``, ``--scorer-options``) trained on this base at this
-    window (the scorers read priorities that late)."""
-    from kvpop.files import sha256_file
-    from kvpop.retrofit import CONFIG_FILE, SCORERS_FILE
+    window (:func:`kvpop.retrofit.check_scorer_folder`, the pipeline's ``train.init_from`` rule too)."""
+    from kvpop.retrofit import check_scorer_folder
     from pipelines.config import ConfigError
 
     if not args.init_from:
         return None
-    folder = Path(args.init_from)
     try:
-        meta = json.loads((folder / CONFIG_FILE).read_text())
-        window, trained_on, scorer = meta["budget"]["window"], meta["base"]["weights_sha256"], meta["scorer"]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ConfigError(f"--init-from {folder}: not a saved scorer folder (a study's step-* folder with "
-                          f"{CONFIG_FILE}; {type(err).__name__}: {err})") from None
-    if window != args.window or trained_on != base_sha256:
-        raise ConfigError(f"--init-from {folder}: trained at window {window} on base {trained_on[:12]}…, this study "
-                          f"trains at --window {args.window} on {base_sha256[:12]}…: start from scorers of this "
-                          f"window and base")
-    mine = {"name": args.scorer, **json.loads(args.scorer_options)}
-    if scorer != mine:
-        raise ConfigError(f"--init-from {folder}: its scorers are {json.dumps(scorer)}, this study's "
-                          f"{json.dumps(mine)}: give the --scorer and --scorer-options they were trained with")
-    if not (folder / SCORERS_FILE).is_file():
-        raise ConfigError(f"--init-from {folder}: {SCORERS_FILE} is missing")
-    return sha256_file(folder / SCORERS_FILE)
+        return check_scorer_folder(args.init_from, scorer=args.scorer, scorer_options=json.loads(args.scorer_options),
+                                   window=args.window, base_sha256=base_sha256)
+    except ValueError as err:
+        raise ConfigError(f"--init-from {args.init_from}: {err}") from None
 
 
 # ------------------------------------------------------------------------------------------------ training state
@@ -673,15 +673,14 @@ def diagnostics(model, eval_ids, eval_topks, batch: int, target_options: dict | 
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def load_data(cfg, tokenizer, mix=None):
-    """``(training ids [N, S], held-out rows [{"id", "input_ids"}])`` of the data stage's two splits; ``mix``: another
-    corpus's config whose training split joins the pool after the training corpus's (its held-out split is never
-    read)."""
+def load_data(cfg, tokenizer, training=None):
+    """``(training ids [N, S], held-out rows [{"id", "input_ids"}])``: the data stage's training split of
+    ``training`` (:func:`training_config`, with the mix if any; default ``cfg``) and held-out split of ``cfg``."""
     import torch
 
     from pipelines.data import load_sequences
 
-    train = load_sequences(cfg, "train", tokenizer) + (load_sequences(mix, "train", tokenizer) if mix else [])
+    train = load_sequences(training or cfg, "train", tokenizer)
     return torch.tensor([r["input_ids"] for r in train], dtype=torch.long), load_sequences(cfg, "eval", tokenizer)
 
 
@@ -746,7 +745,7 @@ class Study:
     tokenizer: object
     samples: list
     corpora: dict  # --eval-sources: source -> its pipeline config (held-out split only)
-    mix: object | None  # --mix-source: its pipeline config (its training split joins the pool)
+    training: object  # the pipeline config whose training split is the pool (cfg, plus --mix-source as data.mix_*)
     references_from: dict | None  # --references-from: the finished study whose reference records may be reused
 
 
@@ -776,11 +775,8 @@ def open_study(args) -> Study:
         raise ConfigError(f"--eval-sources: {args.source!r} is the training corpus (its held-out split is evaluated "
                           f"anyway); name corpora the scorer never trains on")
     corpora = {source: study_config(args, pool, source) for source in dict.fromkeys(args.eval_sources)}
-    mix = None
-    if args.mix_source:
-        mix = corpus_config(args.model, args.mix_source, args.seq_len, training_budget(args), args.query_power,
-                            args.eval_sequences, args.seed, args.mix_sequences)
-    for other in [*corpora.values(), *([mix] if mix else [])]:
+    training = training_config(args, pool)
+    for other in [*corpora.values(), training]:  # the training config: the mix corpus exists
         check_inputs(other)
     base = cfg.model.resolved_path()
     base_sha256 = weights_digest(base)
@@ -794,7 +790,7 @@ def open_study(args) -> Study:
     except ValueError as err:
         raise ConfigError(f"--recall-*: {err}") from None
     return Study(cfg, base, base_sha256, settings, resume, manifest, tokens_per_step, seen, checkpoints, total_steps,
-                 tokenizer, samples, corpora, mix, references_from)
+                 tokenizer, samples, corpora, training, references_from)
 
 
 def run(args) -> dict:
@@ -816,7 +812,7 @@ def run(args) -> dict:
         torch.set_num_threads(1)
     train_budget, eval_budgets, unreachable = budgets_for(args)
     t0 = time.perf_counter()
-    train_ids, heldout = load_data(cfg, study.tokenizer, study.mix)
+    train_ids, heldout = load_data(cfg, study.tokenizer, study.training)
     data_s = time.perf_counter() - t0
     eval_ids = torch.tensor([r["input_ids"] for r in heldout], dtype=torch.long, device=device)
     inputs = {"tokenizer": study.tokenizer, "sequences": heldout, "budgets": eval_budgets, "samples": study.samples,

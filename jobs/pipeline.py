@@ -15,6 +15,10 @@ def body(cfg):
     from pipelines import evaluate, precompute, sweep, tracking, train
 
     start = time.perf_counter()
+    if cfg.train.init_from is not None:  # the train stage's input: refused now, not after the precompute's hours
+        from pipelines.identity import teacher_identity
+
+        train.check_init_from(cfg, teacher_identity(cfg)["weights_sha256"])
     stages = 4 if cfg.sweep.in_pipeline else 3
     print(f"[kvpop] config {cfg.name}: model {cfg.model.resolved_path()}, data {cfg.data.source}, "
           f"S={cfg.data.seq_len}, budget {cfg.budget} (B={cfg.budget.total}), "

@@ -26,7 +26,7 @@ from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.dms import DMSGate, attach_gates
-from kvpop.files import weights_digest
+from kvpop.files import sha256_file, weights_digest
 from kvpop.decode import chunk_bounds, padded_positions, prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
@@ -369,6 +369,33 @@ def load_scorers(model: nn.Module, path: str | Path) -> None:
         except RuntimeError as err:
             raise ValueError(f"the scorer weights in {path} do not fit layer {i}'s scorer ({err}); "
                              f"retrofit with the scorer options they were trained with") from None
+
+
+def check_scorer_folder(path: str | Path, *, scorer: str, scorer_options: dict, window: int, base_sha256: str,
+                        digest=sha256_file) -> str:
+    """The digest (``digest(file)``, default its sha256) of the scorer weights in ``path``, after checking that the
+    folder holds scorers a run with these settings can start from (fine-tuning): a scorer-only folder (as
+    :func:`save_retrofitted` writes it with ``base``) of ``scorer`` with exactly ``scorer_options``, retrofitted at
+    this budget ``window`` (the scorers read priorities that late) on the base whose :func:`kvpop.files.weights_digest`
+    is ``base_sha256``. Otherwise a one-line ``ValueError`` saying what differs (callers prefix the folder's name)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / CONFIG_FILE).read_text())
+        window_of, trained_on, spec = meta["budget"]["window"], meta["base"]["weights_sha256"], meta["scorer"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"not a saved scorer folder (a scorer-only {CONFIG_FILE} with its budget, scorer and base, "
+                         f"as a train stage's final_model or a study's step-* folder has; {type(err).__name__}: "
+                         f"{err})") from None
+    if window_of != window or trained_on != base_sha256:
+        raise ValueError(f"trained at window {window_of} on base {str(trained_on)[:12]}…, this run trains at window "
+                         f"{window} on {base_sha256[:12]}…: start from scorers of this window and base")
+    mine = {"name": scorer, **scorer_options}
+    if spec != mine:
+        raise ValueError(f"its scorers are {json.dumps(spec)}, this run's {json.dumps(mine)}: start from scorers of "
+                         f"the same scorer and options")
+    if not (path / SCORERS_FILE).is_file():
+        raise ValueError(f"{SCORERS_FILE} is missing")
+    return digest(path / SCORERS_FILE)
 
 
 def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: bool) -> Path:

@@ -75,11 +75,20 @@ class DataConfig(OptionalSettings):
     seed: int = 0
     recall_mix: float = 0.0  # fraction of the training sequences given early facts and a question on one of them at
     #                          the end (pipelines/planted.py); held-out sequences never
+    mix_source: str | None = None  # a second training corpus (a data.source value): mix_sequences of its training
+    #                                split follow the source's in the training split (ids "mix-…"); its held-out
+    #                                documents never enter training, and the eval split stays the source's own
+    mix_sequences: int = 0
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("recall_mix",)
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("recall_mix", "mix_source", "mix_sequences")
 
     def __post_init__(self):
         _require([(self.seq_len >= 8, "data.seq_len must be >= 8"),
+                  ((self.mix_source is None) == (self.mix_sequences == 0) and self.mix_sequences >= 0,
+                   "data.mix_source and data.mix_sequences go together: a second corpus and how many (>= 1) of its "
+                   "training sequences join the training split"),
+                  (self.mix_source is None or self.mix_source != self.source,
+                   f"data.mix_source {self.mix_source!r} is data.source itself: mix in another corpus"),
                   (self.num_sequences >= 1, "data.num_sequences must be >= 1"),
                   (self.eval_sequences >= 0, "data.eval_sequences must be >= 0"),
                   (0 <= self.recall_mix <= 1, f"data.recall_mix must be in [0, 1] (the fraction of training sequences "
@@ -156,6 +165,10 @@ class TrainConfig:
     dms_schedule_steps: int = 60  # policy dms: steps over which CR anneals linearly from 1 (<= train.steps; 0: none)
     dms_temperature: float = 0.1  # policy dms: the Gumbel-sigmoid temperature of the relaxed gates
     dms_keep_weight: float = 1.0  # policy dms: weight of the one-sided keep-rate penalty
+    init_from: str | None = None  # policy kvpop: a saved scorer folder (kvpop.json + kvpop_scorers.safetensors, e.g.
+    #     another run's final_model) whose scorers a fresh run starts from: fine-tuning. Same scorer and options, same
+    #     budget.window, same base weights (checked before training); a run resuming its own checkpoint ignores it.
+    #     The run's identity holds the folder's scorer weights digest, not its path (pipelines.identity.init_identity)
 
     DMS_KEYS: ClassVar[tuple[str, ...]] = ("dms_keep_rate", "dms_schedule_steps", "dms_temperature", "dms_keep_weight")
     KVPOP_KEYS: ClassVar[tuple[str, ...]] = ("scorer", "scorer_options", "beta", "tau", "recency", "loss_weight",
@@ -184,6 +197,8 @@ class TrainConfig:
             (self.policy in TRAIN_POLICIES, f"train.policy must be one of {', '.join(TRAIN_POLICIES)}"),
             (self.policy != "streaming" or self.mode == "distill",
              "train.policy=streaming (StreamingLLM+) trains the base model: set train.mode=distill"),
+            (self.init_from is None or (self.policy == "kvpop" and bool(self.init_from)),
+             "train.init_from is a saved scorer folder for train.policy=kvpop (null: scorers start fresh)"),
             (self.dms_temperature > 0 and self.dms_keep_weight >= 0,
              "train.dms_temperature must be > 0 and train.dms_keep_weight >= 0"),
         ])
@@ -219,8 +234,10 @@ class TrainConfig:
     def optimisation(self) -> dict[str, Any]:
         """The settings that change what is optimised (everything but :attr:`OPERATIONAL`; the policy and the DMS
         settings only where they apply — a kvpop run keeps the name it had before they existed — and the scorer and
-        ranking-loss settings only for policy kvpop; ``extra_topks`` only when set, for the same reason)."""
-        skip = set(self.OPERATIONAL) | (set() if self.policy == "dms" else set(self.DMS_KEYS))
+        ranking-loss settings only for policy kvpop; ``extra_topks`` only when set, for the same reason). Never
+        ``init_from``: a path; what it changes is its weights digest, which the run's keys add
+        (:func:`pipelines.identity.init_identity`) so that a moved folder is the same run."""
+        skip = set(self.OPERATIONAL) | {"init_from"} | (set() if self.policy == "dms" else set(self.DMS_KEYS))
         skip |= {"policy"} if self.policy == "kvpop" else set(self.KVPOP_KEYS)
         skip |= set() if self.extra_topks else {"extra_topks"}
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}

@@ -28,13 +28,23 @@ their last tokens (:mod:`pipelines.planted`: corpus tokens before the question a
 ``docs`` stay those of the cut sequence, plus ``"planted:<asked name>"``). Held-out sequences are never changed. The
 format shares no vocabulary with the evaluation's recall tasks (:mod:`pipelines.recall`).
 
+**A second training corpus** (``data.mix_source`` + ``data.mix_sequences``, default none): the training split is the
+source's ``num_sequences`` sequences followed by the first ``mix_sequences`` training sequences of ``mix_source``,
+built exactly as that corpus alone would be (:func:`mix_config`: the same seq_len, seed, eval_sequences, packing and
+fields), so its held-out documents — those of its own first ``eval_sequences`` held-out sequences — never enter
+training. Their ids are ``"mix-<its own id>"``; their ``docs`` are the mix corpus's document ids. The eval split stays
+the source's only, and only the source's sequences are planted (``recall_mix``).
+
 Each sequence is ``{"id": "<split>-<index:06d>", "input_ids": [...], "docs": [document ids it contains]}``. The result
 is cached under ``$KVPOP_HOME/data/sequences/<hash>/`` where the hash covers the source's content identity (package
 version, file digests, or hub name), the tokenizer, every data setting and the format version (``recall_mix`` only
-when it is not 0, so caches made before it keep their hash); ``meta.json`` is written last and marks a complete cache.
+when it is not 0, and the mix — its corpus's content identity and ``mix_sequences`` — only when set, so caches made
+before them keep their hash); ``meta.json`` is written last and marks a complete cache. A mix corpus's own sequences
+are cached under its own hash too (the cache :func:`mix_config` alone would use).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sys
@@ -277,8 +287,8 @@ def plant_recall(rows: list[dict], tokenizer, *, fraction: float, seed: int) -> 
 # ----------------------------------------------------------------------------------------------- cache
 def check_inputs(cfg: PipelineConfig) -> None:
     """What every stage can check before it writes anything, without Ray: the teacher folder is loadable
-    (``read_model_config``: files present, ``model_type`` named), a local data source exists, and the budget fits the
-    model's context. Raises :class:`ConfigError` with one line."""
+    (``read_model_config``: files present, ``model_type`` named), a local data source (and mix source) exists, and
+    the budget fits the model's context. Raises :class:`ConfigError` with one line."""
     model = cfg.model.resolved_path()
     try:
         context = read_model_config(model).get("max_position_embeddings")
@@ -290,9 +300,10 @@ def check_inputs(cfg: PipelineConfig) -> None:
     if isinstance(context, int) and total > context:
         raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "
                           f"{context} (max_position_embeddings): impossible budget")
-    if cfg.data.source not in BUILTIN_SOURCES and is_local_source(cfg.data.source) \
-            and not Path(cfg.data.source).expanduser().exists():
-        raise ConfigError(f"data.source {cfg.data.source!r} does not exist")
+    for key, source in (("data.source", cfg.data.source), ("data.mix_source", cfg.data.mix_source)):
+        if source is not None and source not in BUILTIN_SOURCES and is_local_source(source) \
+                and not Path(source).expanduser().exists():
+            raise ConfigError(f"{key} {source!r} does not exist")
 
 
 def load_tokenizer(cfg: PipelineConfig):
@@ -303,13 +314,35 @@ def load_tokenizer(cfg: PipelineConfig):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
+def mix_config(cfg: PipelineConfig) -> PipelineConfig | None:
+    """The config that builds ``data.mix_source`` alone (its ``mix_sequences`` training sequences, its held-out split
+    as it would hold out for itself), or None without a mix: every other data setting is ``cfg``'s."""
+    d = cfg.data
+    if d.mix_source is None:
+        return None
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, source=d.mix_source, num_sequences=d.mix_sequences,
+                                                             mix_source=None, mix_sequences=0, recall_mix=0.0))
+
+
+def _mix_error(err: ConfigError) -> ConfigError:
+    """A data error of the mix corpus, naming the mix's settings instead of the source's."""
+    return ConfigError(str(err).replace("data.source", "data.mix_source")
+                       .replace("data.num_sequences", "data.mix_sequences"))
+
+
 def data_fingerprint(cfg: PipelineConfig, tokenizer=None) -> str:
     """The hash that names the sequence cache (and enters the precomputed-target hash)."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     d = cfg.data
+    mix = mix_config(cfg)
+    optional = {k: v for k, v in d.optional_settings().items() if k not in ("mix_source", "mix_sequences")}
+    try:  # the mix by its content, not its path
+        mixed = [] if mix is None else [("mix", source_identity(mix), d.mix_sequences)]
+    except ConfigError as err:
+        raise _mix_error(err) from None
     return fingerprint("kvpop.sequences", DATA_FORMAT_VERSION, source_identity(cfg), d.text_field, d.id_field,
                        d.split if d.source not in BUILTIN_SOURCES else "", d.seq_len, d.num_sequences, d.eval_sequences,
-                       d.packing, d.seed, tokenizer_digest(tokenizer), *d.optional_settings().items())
+                       d.packing, d.seed, tokenizer_digest(tokenizer), *optional.items(), *mixed)
 
 
 def sequences_dir(cfg: PipelineConfig, tokenizer=None) -> Path:
@@ -342,11 +375,19 @@ def load_sequences(cfg: PipelineConfig, split: str = "train", tokenizer=None) ->
     built = build_sequences(docs, tokenizer, seq_len=cfg.data.seq_len, num_train=cfg.data.num_sequences,
                             num_eval=cfg.data.eval_sequences, packing=cfg.data.packing, seed=cfg.data.seed)
     built["train"] = plant_recall(built["train"], tokenizer, fraction=cfg.data.recall_mix, seed=cfg.data.seed)
+    mix = mix_config(cfg)
+    if mix is not None:
+        try:
+            mixed = load_sequences(mix, "train", tokenizer)
+        except ConfigError as err:
+            raise _mix_error(err) from None
+        built["train"] += [{**row, "id": f"mix-{row['id']}"} for row in mixed]
     folder.mkdir(parents=True, exist_ok=True)
     for name, rows in built.items():
         _write_split(folder / f"{name}.parquet", rows)
     meta = {"format_version": DATA_FORMAT_VERSION, "source": source_identity(cfg), "data": cfg.to_dict()["data"],
             "model": str(cfg.model.resolved_path()), "documents": len(docs),
+            **({"mix": {"source": source_identity(mix), "sequences": cfg.data.mix_sequences}} if mix else {}),
             "sequences": {name: len(rows) for name, rows in built.items()},
             "seconds": round(time.perf_counter() - t0, 3)}
     atomic_write_text(folder / "meta.json", json.dumps(meta, indent=2))

@@ -1,4 +1,4 @@
-"""Content identities for cache keys: file digests (cached), teacher weights, tokenizers.
+"""Content identities for cache keys: file digests (cached), teacher weights, tokenizers, a run's starting scorers.
 
 Expensive outputs live under paths derived from a hash of what they depend on. A digest of a large file (model
 weights, a corpus) is computed once and cached in ``$KVPOP_HOME/cache/sha256.json``, keyed by the file's absolute
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from kvpop.files import atomic_write_text, exclusive_lock, sha256_file
 from kvpop.files import weights_digest as _weights_digest
-from pipelines.config import PipelineConfig
+from kvpop.retrofit import SCORERS_FILE
+from pipelines.config import ConfigError, PipelineConfig
 
 DIGEST_CACHE = "sha256.json"
 
@@ -84,3 +85,17 @@ def tokenizer_digest(tokenizer) -> str:
         h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
     h.update(json.dumps([tokenizer.bos_token_id, tokenizer.eos_token_id]).encode())
     return h.hexdigest()
+
+
+def init_identity(cfg: PipelineConfig) -> list:
+    """What ``train.init_from`` adds to a run's keys: ``[]`` without it (the keys made before it existed), else
+    ``[("init_scorers_sha256", <digest of its kvpop_scorers.safetensors>)]`` — the weights, not the folder's path, so
+    a moved folder names the same run and other weights another. One :class:`ConfigError` line if the file is not
+    there (:func:`pipelines.train.check_init_from` checks the rest before training)."""
+    if cfg.train.init_from is None:
+        return []
+    weights = Path(cfg.train.init_from).expanduser() / SCORERS_FILE
+    if not weights.is_file():
+        raise ConfigError(f"train.init_from {cfg.train.init_from}: no {SCORERS_FILE} there: give a saved scorer "
+                          f"folder (a train stage's final_model)")
+    return [("init_scorers_sha256", file_digest(weights, cfg.home_dir()))]

@@ -6,8 +6,10 @@ record of the same configuration (or from an explicit path the user gives), neve
 must be from its upstream inputs: finding the trained model reads one small JSON file, no tokenizer, no weights.
 
 **Where.** ``$KVPOP_HOME/records/<stage>/<key>.json``. ``<key>`` (:func:`key_for`) hashes the *values* of the config
-settings the stage's output depends on — never file contents — so any process with the config finds it in
-microseconds. A re-run of the stage with the same settings replaces the record (the newest output wins).
+settings the stage's output depends on — never file contents, so any process with the config finds it in
+microseconds; one exception: ``train.init_from`` enters the train key as its scorer weights' digest
+(:func:`pipelines.identity.init_identity`, cached by the file's stat), so that other weights in the same folder are
+another run. A re-run of the stage with the same settings replaces the record (the newest output wins).
 
 **Record.** ``{"stage", "key", "config" (the config's name), "time", "payload"}``; payloads:
 
@@ -29,6 +31,7 @@ from typing import Any, Callable
 
 from kvpop.files import atomic_write_text
 from pipelines.config import PipelineConfig, fingerprint
+from pipelines.identity import init_identity
 
 RECORDS = "records"
 CRASH_ENV = "KVPOP_CRASH_AT"
@@ -84,7 +87,7 @@ def train_key(cfg: PipelineConfig) -> str:
     what is optimised, the seed, the config's name and the run's name and storage."""
     targets = cfg.train.targets or precompute_key(cfg)
     return fingerprint("train", cfg.name, targets, cfg.budget, cfg.train.optimisation(), cfg.data.seed,
-                       cfg.train.run_name, cfg.train.output_root)
+                       cfg.train.run_name, cfg.train.output_root, *init_identity(cfg))
 
 
 def evaluate_key(cfg: PipelineConfig) -> str:

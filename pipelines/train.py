@@ -6,16 +6,19 @@
    one the precompute stage recorded for this config (:mod:`pipelines.records`); :func:`pipelines.store.open_targets`
    refuses it unless its identity matches this config (teacher weights, dtype, data, S, top-K, group reduction) and
    it holds ``budget.window``, is complete and intact — one :class:`~pipelines.store.TargetsError` line, no MLflow
-   run, no run directory.
+   run, no run directory. ``train.init_from`` (a saved scorer folder to start from) must hold scorers of this
+   scorer and options, window and base weights (:func:`check_init_from`), else one :class:`ConfigError` line.
 2. The **stable run name** (``train.run_name`` or ``<config name>-<what trains>-<mode>-<budget>-<hash>``, what trains
    the scorer, ``dms`` or ``streaming+`` (``train.policy``: :func:`objective_of`), the hash over
    the targets and every setting that changes the optimisation — not over ``steps``, worker counts, precision or
-   checkpoint cadence, so that a restart, a longer run or a run on other hardware resumes).
+   checkpoint cadence, so that a restart, a longer run or a run on other hardware resumes; with ``train.init_from``,
+   its scorer weights' digest, not its path: :func:`pipelines.identity.init_identity`).
 3. **Train** unless the run's final model already holds ``train.steps`` steps: the MLflow run found by name (else a
    new one, the whole config as params) receives the workers' metric histories; a ``TorchTrainer`` named after the
    run (:func:`make_trainer`; workers run :func:`pipelines.train_worker.train_loop` with a
-   :class:`~pipelines.train_worker.TrainSpec`) resumes from the run's last checkpoint if there is one. Fewer steps
-   than the run's final model holds is refused: a run only grows.
+   :class:`~pipelines.train_worker.TrainSpec`) resumes from the run's last checkpoint if there is one (a fresh run
+   starts its scorers from ``train.init_from`` if set; a resumed one from its own checkpoint, whatever init_from).
+   Fewer steps than the run's final model holds is refused: a run only grows.
 4. **Commit, exactly once**: log the final model as the run's ``model`` artifact (unless already there), tag it,
    end the run ``FINISHED``, then write the train record — the commit point. A driver killed anywhere before the
    record leaves a final model without a record: the next run completes the same MLflow run instead of training.
@@ -34,10 +37,12 @@ from pathlib import Path
 
 from kvpop.budget import Budget
 from kvpop.objective import DMSObjective, Objective, StreamingObjective
+from kvpop.retrofit import check_scorer_folder
 from pipelines import records, store, tracking
 from pipelines.cluster import ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, env_home, fingerprint
 from pipelines.data import load_tokenizer
+from pipelines.identity import file_digest, init_identity
 from pipelines.train_worker import TrainSpec, train_loop, trained_steps
 
 FINAL_MODEL = "final_model"
@@ -53,7 +58,8 @@ def runs_root(cfg: PipelineConfig) -> Path:
 def run_name_of(cfg: PipelineConfig, targets: store.Targets) -> str:
     if cfg.train.run_name:
         return cfg.train.run_name
-    digest = fingerprint("kvpop.train", targets.key, cfg.budget, cfg.train.optimisation(), cfg.data.seed, length=10)
+    digest = fingerprint("kvpop.train", targets.key, cfg.budget, cfg.train.optimisation(), cfg.data.seed,
+                         *init_identity(cfg), length=10)
     return f"{cfg.name}-{cfg.train.label}-{cfg.train.mode}-{cfg.budget}-{digest}"
 
 
@@ -96,6 +102,22 @@ def check_trainable(cfg: PipelineConfig, rows: int | None = None) -> None:
                           f"(data.num_sequences)")
 
 
+def check_init_from(cfg: PipelineConfig, base_sha256: str) -> str | None:
+    """``train.init_from``'s scorer weights digest (None without it), after checking that the folder holds scorers
+    of ``train.scorer`` with exactly ``train.scorer_options``, at ``budget.window``, on the base weights
+    ``base_sha256`` (:func:`kvpop.retrofit.check_scorer_folder`): else one :class:`ConfigError` line."""
+    t = cfg.train
+    if t.init_from is None:
+        return None
+    try:
+        return check_scorer_folder(Path(t.init_from).expanduser(), scorer=t.scorer,
+                                   scorer_options=dict(t.scorer_options), window=cfg.budget.window,
+                                   base_sha256=base_sha256,
+                                   digest=lambda f: file_digest(f, cfg.home_dir()))
+    except ValueError as err:
+        raise ConfigError(f"train.init_from {t.init_from}: {err}") from None
+
+
 def open_inputs(cfg: PipelineConfig, windows: tuple[int, ...] | None = None) -> store.Targets:
     """The verified targets for this config, or one clear error (nothing is written before this passes).
 
@@ -108,6 +130,7 @@ def open_inputs(cfg: PipelineConfig, windows: tuple[int, ...] | None = None) -> 
         windows = windows or (cfg.budget.window,)
     targets = store.open_targets(path, expect=store.training_identity(cfg, load_tokenizer(cfg)), windows=windows or ())
     check_trainable(cfg, targets.num_rows)
+    check_init_from(cfg, targets.identity["teacher"]["weights_sha256"])
     return targets
 
 
@@ -140,7 +163,7 @@ def make_spec(cfg: PipelineConfig, targets: store.Targets, name: str, storage: P
         bf16=t.resolved_precision == "bf16", threads=max(1, int(t.cpus_per_worker)),
         checkpoint_every=t.checkpoint_every, log_every=t.log_every, fail_at_step=t.fail_at_step,
         tracking_uri=cfg.tracking_uri(), mlflow_run_id=mlflow_run_id, report_every_step=report_every_step,
-        save_final=save_final)
+        save_final=save_final, init_from=str(Path(t.init_from).expanduser().resolve()) if t.init_from else "")
 
 
 def training_dataset(targets: store.Targets, columns: list[str], copies: int):

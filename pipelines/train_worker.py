@@ -1,8 +1,9 @@
 """What each Ray Train (V2) worker of the train stage runs: :func:`train_loop`, driven by a :class:`TrainSpec`.
 
 The driver (:mod:`pipelines.train`) decides everything and hands each worker one frozen :class:`TrainSpec`. A worker
-builds the student (:func:`build_student`: the base model in fp32 retrofitted with the spec's policy, the base frozen
-in ``scorer_only`` mode: :func:`kvpop.parameters.trainable_parameters`), shards it with the FSDP2 plan
+builds the student (:func:`build_student`: the base model in fp32 retrofitted with the spec's policy, its scorers
+loaded from ``spec.init_from`` when set, the base frozen in ``scorer_only`` mode:
+:func:`kvpop.parameters.trainable_parameters`), shards it with the FSDP2 plan
 (:func:`kvpop.sharding.shard`) when the spec says so, and runs ``spec.steps`` steps of the spec's objective on the
 batches of its dataset shard (:func:`batch_losses`). The policies (``train.policy``):
 
@@ -20,7 +21,8 @@ prints one line per logged step.
 **Checkpoints** every ``checkpoint_every`` steps and at the last one (:mod:`kvpop.checkpointing`: each worker
 writes its shard of the model and optimizer state — only what trains in scorer-only mode — reported through
 ``ray.train.report``). A restarted worker group gets the latest one from ``ray.train.get_checkpoint()``, restores it
-and skips the batches already consumed. DCP checkpoints are pickles: resume only from run folders you wrote.
+and skips the batches already consumed (:func:`start_student`: the run's own checkpoint always wins over
+``init_from``, which only seeds a fresh run). DCP checkpoints are pickles: resume only from run folders you wrote.
 
 **The final model** (rank 0, gathered from the shards): :func:`write_final_model`, a :func:`kvpop.save_retrofitted`
 folder — the scorers and the base model's identity in scorer-only mode (the base weights did not change), the full
@@ -84,6 +86,7 @@ class TrainSpec:
     dms_temperature: float = 0.1
     report_every_step: bool = False  # a Tune trial: every step's metrics reach the scheduler
     save_final: bool = True
+    init_from: str = ""  # a saved scorer folder the scorers start from (train.init_from, checked by the driver)
 
     @property
     def budget(self) -> Budget:
@@ -103,6 +106,8 @@ def build_student(spec: TrainSpec, device="cpu"):
     else:
         kvpop.retrofit(model, spec.budget, scorer=spec.scorer, policy="kvpop", recency=spec.objective.recency,
                        scorer_options=dict(spec.scorer_options))
+        if spec.init_from:  # fine-tuning: a resumed run's checkpoint replaces these (start_student)
+            kvpop.load_scorers(model, spec.init_from)
     trainable_parameters(model, spec.mode)
     model.to(device)
     model.train()
@@ -202,11 +207,8 @@ def _report_checkpoint(model, optimizer, spec: TrainSpec, step: int, metrics: di
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _resume(model, optimizer, spec: TrainSpec, rank: int) -> int:
-    """The step of the checkpoint Ray Train hands a (re)started worker group, restored; 0 if none."""
-    import ray.train
-
-    checkpoint = ray.train.get_checkpoint()
+def _resume(model, optimizer, spec: TrainSpec, rank: int, checkpoint) -> int:
+    """The step of ``checkpoint`` (the one Ray Train hands a (re)started worker group), restored; 0 if None."""
     if checkpoint is None:
         return 0
     with checkpoint.as_directory() as folder:
@@ -214,6 +216,23 @@ def _resume(model, optimizer, spec: TrainSpec, rank: int) -> int:
     if rank == 0:
         print(f"[kvpop.train] resumed {spec.run_name} from the checkpoint of step {step}", flush=True)
     return step
+
+
+def start_student(spec: TrainSpec, device, rank: int = 0, checkpoint=None):
+    """``(model, tokenizer, optimizer, trainable parameters, step)`` a worker starts training from: the student
+    (:func:`build_student`: its scorers from ``spec.init_from`` if set), sharded if the spec says so, a fresh AdamW,
+    then ``checkpoint`` (the run's own, a ``ray.train.Checkpoint``; None on a fresh run) restored over both — so a
+    resumed run continues its own weights, never ``init_from``'s — and the step it holds (0 if none)."""
+    model, tokenizer = build_student(spec, device=device)
+    if spec.sharded:
+        shard(model, bf16=spec.bf16)
+    params = trainable_parameters(model, spec.mode)  # after sharding: the DTensors the optimizer must step
+    groups = [{"params": params["scorers"], "lr": spec.lr}] if params["scorers"] else []
+    if params["base"]:
+        groups.append({"params": params["base"], "lr": spec.base_lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
+    trainable = [p for g in groups for p in g["params"]]
+    return model, tokenizer, optimizer, trainable, _resume(model, optimizer, spec, rank, checkpoint)
 
 
 def train_loop(config: dict) -> None:
@@ -229,16 +248,8 @@ def train_loop(config: dict) -> None:
         torch.cuda.set_device(device)
     torch.set_num_threads(spec.threads)
 
-    model, tokenizer = build_student(spec, device=device)
-    if spec.sharded:
-        shard(model, bf16=spec.bf16)
-    params = trainable_parameters(model, spec.mode)  # after sharding: the DTensors the optimizer must step
-    groups = [{"params": params["scorers"], "lr": spec.lr}] if params["scorers"] else []
-    if params["base"]:
-        groups.append({"params": params["base"], "lr": spec.base_lr})
-    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
-    trainable = [p for g in groups for p in g["params"]]
-    start_step = _resume(model, optimizer, spec, rank)
+    model, tokenizer, optimizer, trainable, start_step = start_student(spec, device, rank,
+                                                                       ray.train.get_checkpoint())
 
     client = None
     if rank == 0:

@@ -1,12 +1,13 @@
 """pipelines.data: sources → tokenizer → fixed-length sequences, split by document, cached. No Ray here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from pipelines import data
-from pipelines.config import ConfigError, load_config
+from pipelines.config import REPO_ROOT, ConfigError, load_config
 from tests.models import write_docs
 
 pytestmark = pytest.mark.pretrained  # the SmolLM2 tokenizer
@@ -122,3 +123,95 @@ def test_bad_sources_fail_with_one_clear_error(tmp_path, tokenizer, case, messag
     with pytest.raises(ConfigError, match=message):
         data.load_sequences(cfg, "train", tokenizer)
     assert not (tmp_path / "home" / "data").exists() or not any((tmp_path / "home" / "data").rglob("meta.json"))
+
+
+# ----------------------------------------------------------------------------------------------- the training mix
+@pytest.fixture
+def mix_corpus(tmp_path):
+    path = tmp_path / "other.jsonl"
+    write_docs(path, 30, seed=11, min_words=40, max_words=90)
+    return path
+
+
+def test_a_mix_appends_the_mix_corpus_own_training_split_and_never_its_held_out_documents(tmp_path, corpus,
+                                                                                           mix_corpus, tokenizer):
+    cfg = _cfg(tmp_path, corpus[0], f"data.mix_source={mix_corpus}", "data.mix_sequences=3")
+    plain = _cfg(tmp_path, corpus[0])
+    alone = _cfg(tmp_path, mix_corpus, "data.num_sequences=5")  # the mix corpus built on its own, a larger pool
+    train = data.load_sequences(cfg, "train", tokenizer)
+    own = data.load_sequences(plain, "train", tokenizer)
+    theirs = {split: data.load_sequences(alone, split, tokenizer) for split in data.SPLITS}
+    assert train[:6] == own  # the source's training split first, unchanged
+    assert [r["input_ids"] for r in train[6:]] == [r["input_ids"] for r in theirs["train"][:3]]
+    assert [r["docs"] for r in train[6:]] == [r["docs"] for r in theirs["train"][:3]]
+    assert [r["id"] for r in train[6:]] == ["mix-train-000000", "mix-train-000001", "mix-train-000002"]
+    assert len({r["id"] for r in train}) == len(train)
+    held_out = {d for r in theirs["eval"] for d in r["docs"]}
+    assert held_out and held_out.isdisjoint(d for r in train[6:] for d in r["docs"])
+    assert data.load_sequences(cfg, "eval", tokenizer) == data.load_sequences(plain, "eval", tokenizer)
+    assert data.mix_config(cfg).data == dataclasses.replace(alone.data, num_sequences=3)
+    # read back from its own cache, which differs from the plain config's
+    assert data.sequences_dir(cfg, tokenizer) != data.sequences_dir(plain, tokenizer)
+    assert data.load_sequences(cfg, "train", tokenizer) == train
+
+
+def test_the_mix_is_keyed_by_its_content_and_size(tmp_path, corpus, mix_corpus, tokenizer):
+    cfg = _cfg(tmp_path, corpus[0], f"data.mix_source={mix_corpus}", "data.mix_sequences=3")
+    fp = data.data_fingerprint(cfg, tokenizer)
+    assert data.data_fingerprint(_cfg(tmp_path, corpus[0], f"data.mix_source={mix_corpus}",
+                                      "data.mix_sequences=2"), tokenizer) != fp
+    moved = tmp_path / "elsewhere" / mix_corpus.name
+    moved.parent.mkdir()
+    moved.write_bytes(mix_corpus.read_bytes())
+    assert data.data_fingerprint(_cfg(tmp_path, corpus[0], f"data.mix_source={moved}", "data.mix_sequences=3"),
+                                 tokenizer) == fp  # the same documents elsewhere: the same cache
+    write_docs(moved, 30, seed=12)
+    assert data.data_fingerprint(_cfg(tmp_path, corpus[0], f"data.mix_source={moved}", "data.mix_sequences=3"),
+                                 tokenizer) != fp
+
+
+def test_an_unset_mix_keeps_every_key_of_an_existing_config(tmp_path, corpus, tokenizer):
+    """Computed from the config with the mix fields absent (the formula and the keys before they existed)."""
+    from pipelines import records
+    from pipelines.config import fingerprint
+    from pipelines.identity import tokenizer_digest
+
+    cfg = _cfg(tmp_path, corpus[0])
+    assert cfg == _cfg(tmp_path, corpus[0], "data.mix_source=null", "data.mix_sequences=0")
+    d = cfg.data
+    old_formula = fingerprint("kvpop.sequences", data.DATA_FORMAT_VERSION, data.source_identity(cfg), d.text_field,
+                              d.id_field, d.split, d.seq_len, d.num_sequences, d.eval_sequences, d.packing, d.seed,
+                              tokenizer_digest(tokenizer))
+    assert data.data_fingerprint(cfg, tokenizer) == old_formula
+    without = {k: v for k, v in dataclasses.asdict(d).items() if k not in ("recall_mix", "mix_source", "mix_sequences")}
+    assert fingerprint(d) == fingerprint(without)
+    # the keys (and so the output paths) recorded before the mix existed, of the default and a GPU preset
+    for preset, keys in [(None, ("d542729fc5eab609", "88b77ff0c28d9e54", "b9fe1770e582e013")),
+                         ("smollm2_scorer_norms.yaml", ("63c59da8cffcb1a3", "792bc93dfeb74515", "10bda3d0572738c4"))]:
+        old = load_config(preset and REPO_ROOT / "configs" / preset, ["home=/tmp/h", "model.path=/nowhere/teacher"])
+        assert (records.precompute_key(old), records.train_key(old), records.evaluate_key(old)) == keys, preset
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["data.mix_sequences=3"], "data.mix_source and data.mix_sequences go together"),
+    (["data.mix_source=MIX"], "data.mix_source and data.mix_sequences go together"),
+    (["data.mix_source=MIX", "data.mix_sequences=-1"], "data.mix_source and data.mix_sequences go together"),
+    (["data.mix_source=SOURCE", "data.mix_sequences=3"], "is data.source itself"),
+])
+def test_a_bad_mix_is_refused_in_one_line(tmp_path, corpus, mix_corpus, extra, message):
+    extra = [e.replace("MIX", str(mix_corpus)).replace("SOURCE", str(corpus[0])) for e in extra]
+    with pytest.raises(ConfigError, match=message) as err:
+        _cfg(tmp_path, corpus[0], *extra)
+    assert "\n" not in str(err.value)
+
+
+def test_a_mix_corpus_too_small_or_missing_names_the_mix(tmp_path, corpus, mix_corpus, tokenizer):
+    cfg = _cfg(tmp_path, corpus[0], f"data.mix_source={mix_corpus}", "data.mix_sequences=500")
+    with pytest.raises(ConfigError, match="data.mix_source yields only .* lower data.mix_sequences") as err:
+        data.load_sequences(cfg, "train", tokenizer)
+    assert "\n" not in str(err.value)
+    missing = _cfg(tmp_path, corpus[0], f"data.mix_source={tmp_path / 'nope.jsonl'}", "data.mix_sequences=2")
+    with pytest.raises(ConfigError, match="data.mix_source .*nope.jsonl' does not exist"):
+        data.check_inputs(missing)
+    with pytest.raises(ConfigError, match="data.mix_source .*nope.jsonl' does not exist"):
+        data.data_fingerprint(missing, tokenizer)

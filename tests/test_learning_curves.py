@@ -668,7 +668,7 @@ def test_a_study_saved_before_query_power_resumes_at_beta_one(tmp_path):
 def test_a_mixed_in_corpus_joins_the_pool_with_its_training_split_only(tiny_setup, home, tmp_path, capsys):
     """``--mix-source``: its training sequences follow the training corpus's in the pool, its held-out ones never
     enter it; the held-out items (and so the references) stay the training corpus's; bad pairings are one line."""
-    from pipelines.data import load_sequences
+    from pipelines.data import load_sequences, mix_config
     from tests.models import write_docs
 
     mixed = tmp_path / "mixed.jsonl"
@@ -677,9 +677,13 @@ def test_a_mixed_in_corpus_joins_the_pool_with_its_training_split_only(tiny_setu
     args = curves.parse_args(argv(tiny_setup, out, "--checkpoints", str(TOKENS_PER_STEP), "--mix-source", str(mixed),
                                   "--mix-sequences", "3"))
     study = curves.open_study(args)
-    train_ids, heldout = curves.load_data(study.cfg, study.tokenizer, study.mix)
+    train_ids, heldout = curves.load_data(study.cfg, study.tokenizer, study.training)
     own = load_sequences(study.cfg, "train", study.tokenizer)
-    theirs = {split: load_sequences(study.mix, split, study.tokenizer) for split in ("train", "eval")}
+    # the mix corpus as the study built it before the pipeline's data mix existed (its own config)
+    alone = curves.corpus_config(args.model, str(mixed), args.seq_len, curves.training_budget(args), args.query_power,
+                                 args.eval_sequences, args.seed, 3)
+    assert mix_config(study.training).data == alone.data and study.cfg.data.mix_source is None
+    theirs = {split: load_sequences(alone, split, study.tokenizer) for split in ("train", "eval")}
     pool = [row.tolist() for row in train_ids]
     assert pool == [r["input_ids"] for r in own] + [r["input_ids"] for r in theirs["train"]]
     assert (len(own), len(theirs["train"])) == (5, 3)
@@ -712,8 +716,8 @@ def test_planted_recall_enters_the_training_pool_only_and_is_part_of_the_study(t
     args = curves.parse_args(argv(tiny_setup, tmp_path / "b", *long, "--recall-mix", "0.4"))
     study = curves.open_study(args)
     assert study.cfg.data.recall_mix == 0.4 and plain.cfg.data.recall_mix == 0.0
-    train_ids, heldout = curves.load_data(study.cfg, study.tokenizer, study.mix)
-    plain_ids, plain_heldout = curves.load_data(plain.cfg, plain.tokenizer, plain.mix)
+    train_ids, heldout = curves.load_data(study.cfg, study.tokenizer, study.training)
+    plain_ids, plain_heldout = curves.load_data(plain.cfg, plain.tokenizer, plain.training)
     rows = load_sequences(study.cfg, "train", study.tokenizer)
     planted = [i for i, r in enumerate(rows) if any(d.startswith("planted:") for d in r["docs"])]
     assert len(planted) == 2 and len(rows) == 5  # round(0.4 * 5)
@@ -791,6 +795,6 @@ def test_a_study_can_start_from_saved_scorers(tiny_setup, home, saved, tmp_path,
 
     assert "not a saved scorer folder" in fails("--init-from", str(tmp_path))
     assert "trained at window 8" in fails("--init-from", str(folder), "--window", "6")
-    assert "give the --scorer and --scorer-options" in fails("--init-from", str(folder), "--scorer", "mlp")
+    assert "start from scorers of the same scorer and options" in fails("--init-from", str(folder), "--scorer", "mlp")
     assert "--init-from None (saved " in fails("--resume", str(tmp_path / "st"), "--checkpoints",
                                                str(3 * TOKENS_PER_STEP))

@@ -59,3 +59,29 @@ def test_infra_manifests():
     head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
     assert head[0]["name"] == "ray-head" and "command" not in head[0]  # KubeRay generates the Ray container's command
     assert head[1]["command"][:2] == ["mlflow", "server"]
+
+
+def test_the_wide_recipe_presets_are_its_two_phases():
+    """configs/smollm2_scorer_wide.yaml (phase 1: champ, lr 3e-3, 30.02M tokens) and _kernel.yaml (phase 2: its
+    scorer fine-tuned at lr 1e-3 to 3.01M tokens on champ + the kernel docs), as measured (README "twentieth")."""
+    wide = load_config(REPO_ROOT / "configs" / "smollm2_scorer_wide.yaml")
+    kernel = load_config(REPO_ROOT / "configs" / "smollm2_scorer_wide_kernel.yaml")
+    for cfg in (wide, kernel):
+        assert (cfg.budget.sink, cfg.budget.window, cfg.budget.topk, cfg.data.seq_len) == (4, 256, 252, 4096)
+        assert (cfg.train.policy, cfg.train.mode, cfg.train.scorer) == ("kvpop", "scorer_only", "mlstm")
+        assert cfg.train.scorer_options == {"features": "kv_norms"} and cfg.train.extra_topks == (60, 124, 508, 1020)
+        assert cfg.precompute.query_power == 16 and cfg.train.batch_size == 4 and cfg.data.source == "champ"
+        assert cfg.eval.recency == 0.0025 and cfg.eval.compression_ratios == (0.875,)
+    assert (wide.train.lr, wide.train.steps, wide.data.num_sequences) == (3e-3, 1832, 5120)
+    assert round(wide.train.steps * wide.train.batch_size * wide.data.seq_len / 1e6, 2) == 30.02
+    assert (wide.data.mix_source, wide.data.mix_sequences, wide.train.init_from) == (None, 0, None)
+    assert (kernel.train.lr, kernel.train.steps, kernel.data.num_sequences) == (1e-3, 184, 1120)
+    assert round(kernel.train.steps * kernel.train.batch_size * kernel.data.seq_len / 1e6, 2) == 3.01
+    assert (kernel.data.mix_source, kernel.data.mix_sequences) == (".kvpop/data/linux_docs.jsonl", 1120)
+    assert kernel.train.init_from  # a placeholder the header says to set with --set train.init_from=...
+    # phase 2's data is phase 1's but for the pool: the same held-out split, tokenization and targets
+    same = ("seq_len", "eval_sequences", "packing", "seed", "text_field", "id_field")
+    assert [getattr(wide.data, k) for k in same] == [getattr(kernel.data, k) for k in same]
+    assert wide.precompute.target_options() == kernel.precompute.target_options()
+    header = (REPO_ROOT / "configs" / "smollm2_scorer_wide_kernel.yaml").read_text()
+    assert "--set train.init_from=" in header and "python_docs_corpus.py --deb linux-doc-6.1" in header

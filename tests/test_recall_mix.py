@@ -79,8 +79,9 @@ def test_recall_mix_zero_keeps_the_sequences_and_every_key(tmp_path, corpus, tok
                               d.id_field, d.split, d.seq_len, d.num_sequences, d.eval_sequences, d.packing, d.seed,
                               tokenizer_digest(tokenizer))
     assert data.data_fingerprint(cfg, tokenizer) == old_formula
-    # the records' keys hash the data section whole: without the new setting at its default
-    without = {k: v for k, v in dataclasses.asdict(d).items() if k != "recall_mix"}
+    # the records' keys hash the data section whole: without the settings that came later (recall_mix, the data
+    # mix) at their default
+    without = {k: v for k, v in dataclasses.asdict(d).items() if k not in d.OPTIONAL}
     assert fingerprint(d) == fingerprint(without) != fingerprint(dataclasses.replace(d, recall_mix=0.5))
     assert records.precompute_key(cfg) == fingerprint("precompute", cfg.model, without, [8], cfg.precompute.top_k,
                                                       cfg.precompute.group_reduce, cfg.precompute.sequences_per_shard)
