@@ -110,6 +110,11 @@ ft_mix() {
   ft_variant "${name}_mix_${FT_MIX_NAME:-docs}" --train-sequences "${FT_POOL:-1680}" --mix-source "${FT_MIX:-${DOCS_NEW:?}}" \
     --mix-sequences "${FT_MIX_SEQUENCES:-560}" "$@"
 }
+# ft_kernel NAME [learning_curves options]: ft_mix NAME on champ + the Linux kernel's documentation (KERNEL_DOCS:
+# benchmarks/python_docs_corpus.py --deb linux-doc-6.1_*.deb --exclude translations): stdlib and the docs both unseen
+ft_kernel() {
+  FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel ft_mix "$@"
+}
 run_part() {
   local part=$1
   echo "start $part $(date +%T)" >> "$out/progress.log"
@@ -397,17 +402,14 @@ run_part() {
     # the same pair on a mixed pool: is what the KL learns particular to the corpus it is measured on?
     ft_plain_mix) ft_mix plain ;;
     ft_kl_mix)  ft_mix kl_w1_r01_l003 --kl-options '{"weight": 1, "tau": 0.1, "relative": true, "recency": 0.003}' ;;
-    # the plain fine-tuning on champ + the Linux kernel's documentation (KERNEL_DOCS: benchmarks/python_docs_corpus.py
-    # --deb linux-doc-6.1_*.deb --exclude translations), a quarter or half of the pool: stdlib and the docs both unseen
-    ft_plain_kernel) FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel ft_mix plain ;;
-    ft_plain_kernel_half) FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel FT_POOL=1120 FT_MIX_SEQUENCES=1120 \
-                  ft_mix plain_half ;;
+    # the plain fine-tuning on champ + the kernel's documentation, a quarter or half of the pool
+    ft_plain_kernel) ft_kernel plain ;;
+    ft_plain_kernel_half) FT_POOL=1120 FT_MIX_SEQUENCES=1120 ft_kernel plain_half ;;
     # the same three (and the champ-only control) to 8M tokens
     ft_plain8)  FT_TOKENS=8e6 ft_variant plain8 ;;
     ft_plain_mix8) FT_TOKENS=8e6 ft_mix plain8 ;;
-    ft_plain_kernel8) FT_TOKENS=8e6 FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel ft_mix plain8 ;;
-    ft_plain_kernel_half8) FT_TOKENS=8e6 FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel FT_POOL=1120 \
-                  FT_MIX_SEQUENCES=1120 ft_mix plain_half8 ;;
+    ft_plain_kernel8) FT_TOKENS=8e6 ft_kernel plain8 ;;
+    ft_plain_kernel_half8) FT_TOKENS=8e6 FT_POOL=1120 FT_MIX_SEQUENCES=1120 ft_kernel plain_half8 ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

@@ -66,7 +66,7 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -289,13 +289,10 @@ def training_config(args, train_sequences: int):
     ``data.mix_sequences``, :mod:`pipelines.data`): its training split is the pool — the corpus's sequences, then the
     mix corpus's own first ``--mix-sequences`` training sequences (its held-out documents never enter). Only the pool
     is read from it: readers of a study's held-out split keep :func:`study_config`, which needs no mix file."""
-    import dataclasses
-
     cfg = study_config(args, train_sequences)
     if not args.mix_source:
         return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, mix_source=args.mix_source,
-                                                             mix_sequences=args.mix_sequences))
+    return replace(cfg, data=replace(cfg.data, mix_source=args.mix_source, mix_sequences=args.mix_sequences))
 
 
 def training_budget(args) -> dict:
