@@ -8,7 +8,8 @@
 #    age_norms norms mass balance norms11 wide11 norms_blend64 more_refs preset_norms layer_recency w128_512 norms128
 #    norms192 train768 multik train768_11 multik_wide multik30 multik384
 #    multik_wide30 multik_wide30_planted klmask_plain klmask ft_plain ft_kl ft_kl03 ft_plain_mix ft_kl_mix
-#    ft_plain_kernel ft_plain_kernel_half ft_plain8 ft_plain_mix8 ft_plain_kernel8 ft_plain_kernel_half8)
+#    ft_plain_kernel ft_plain_kernel_half ft_plain8 ft_plain_mix8 ft_plain_kernel8 ft_plain_kernel_half8
+#    hk256 ft_w128_kernel_half hk_anchors preset_kernel)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -28,13 +29,16 @@ mkdir -p "$out"
 # the multik_wide recipe: the kv_norms scorer with the multi-budget boundary loss at k 60, 124, 252 (the budget's),
 # 508 and 1020 (seventeenth session)
 WIDE=(--scorer-options '{"features": "kv_norms"}' --train-topks 60 124 508 1020)
-# unpack w256 | w128 | wide30: a committed champ scorer into $out/rb512 | $out/rb256 | $out/wide30, once, whichever
+# unpack w256 | w128 | wide30 | halfk: a committed scorer into $out/rb512 | $out/rb256 | $out/wide30 |
+# $out/ft_plain_half_mix_kernel_state (the folder it was measured from: its committed records name it), once, whichever
 # part asks first (parts run side by side: two tars into one folder race)
 unpack() {
   local tgz folder
   case $1 in w256) tgz=learning_curves_h200_w256_qp16_scorer.tgz folder=rb512 ;;
              w128) tgz=learning_curves_h200_w128_qp16_at256_scorer.tgz folder=rb256 ;;
-             wide30) tgz=learning_curves_h200_w256_qp16_multik_wide30_scorer.tgz folder=wide30 ;; esac
+             wide30) tgz=learning_curves_h200_w256_qp16_multik_wide30_scorer.tgz folder=wide30 ;;
+             halfk) tgz=learning_curves_h200_w256_qp16_ft_plain_half_mix_kernel_scorer.tgz \
+                    folder=ft_plain_half_mix_kernel_state ;; esac
   mkdir -p "$out/$folder"
   flock "$out/.unpack.lock" sh -c "ls '$out/$folder'/step-*/kvpop.json >/dev/null 2>&1 || \
     tar xzf benchmarks/results/checkpoints/$tgz -C '$out/$folder'"
@@ -114,6 +118,26 @@ ft_mix() {
 # benchmarks/python_docs_corpus.py --deb linux-doc-6.1_*.deb --exclude translations): stdlib and the docs both unseen
 ft_kernel() {
   FT_MIX=${KERNEL_DOCS:?} FT_MIX_NAME=kernel ft_mix "$@"
+}
+# blend256 CHECKPOINT TAG λ…: a scorer at B = 256 (s4-w128-k124, CR 93.75 %) on champ and stdlib, paired with the
+# w128 study's references at that budget (TOVA, H2O, the oracle), and on the docs (tag TAG_docs, its oracle measured
+# here), BLEND_SEQUENCES each, side by side, no recall (the recall point is at CR 87.5 %)
+blend256() {
+  local checkpoint=$1 tag=$2; shift 2
+  local common=(--checkpoint "$checkpoint" --device cuda --sequences "${BLEND_SEQUENCES:-32}" --recency "$@"
+                --recall-tasks --out "$out"
+                --references-from benchmarks/results/learning_curves_h200_w128_qp16_at256_recency.json)
+  python benchmarks/recency_blend.py "${common[@]}" --sources champ stdlib --tag "$tag" > "$out/$tag.log" 2>&1 &
+  python benchmarks/recency_blend.py "${common[@]}" --sources "${DOCS_NEW:?}" --oracle --oracle-recency \
+    --reference-source "${DOCS_NEW}=/tmp/gpu/python_docs.jsonl" --tag "${tag}_docs" > "$out/${tag}_docs.log" 2>&1 &
+  wait
+}
+# rewindow WHICH FOLDER: the unpacked committed scorer WHICH (as unpack) at s4-w128-k124 into $out/FOLDER
+rewindow() {
+  unpack "$1"
+  local src
+  case $1 in wide30) src=$out/wide30/step-0001832 ;; halfk) src=$out/ft_plain_half_mix_kernel_state/step-0000184 ;; esac
+  [ -e "$out/$2/kvpop.json" ] || python benchmarks/rewindow_scorer.py "$src" "$out/$2" --sink 4 --window 128 --topk 124
 }
 run_part() {
   local part=$1
@@ -410,6 +434,31 @@ run_part() {
     ft_plain_mix8) FT_TOKENS=8e6 ft_mix plain8 ;;
     ft_plain_kernel8) FT_TOKENS=8e6 ft_kernel plain8 ;;
     ft_plain_kernel_half8) FT_TOKENS=8e6 FT_POOL=1120 FT_MIX_SEQUENCES=1120 ft_kernel plain_half8 ;;
+    # issue 12, twenty-first session: the recipe at CR 93.75 % (B = 256 = s4-w128-k124 at S = 4096; a w256 scorer has
+    # no long-range slot there). hk256: the half-kernel scorer read at window 128 as it is (benchmarks/
+    # rewindow_scorer.py); ft_w128_kernel_half: phase 2 (the half-kernel mix, 3M tokens) run at window 128 from phase
+    # 1's scorer read at window 128, boundary loss at k 124 (the budget's) and 60, 252, 508, 1020
+    hk256)      rewindow halfk halfk_w128 && blend256 "$out/halfk_w128" h200_w128_qp16_hk_rewindow_at256 0.002 0.0025 0.003 ;;
+    ft_w128_kernel_half) rewindow wide30 wide30_w128 && \
+                python benchmarks/learning_curves.py --out "$out" --time-budget-s "${CURVES_BUDGET_S:-540}" \
+                  --train-sequences 1120 --mix-source "${KERNEL_DOCS:?}" --mix-sequences 1120 \
+                  --save-state "$out/ft_w128_kernel_half_state" --window 128 --topk 124 --eval-topks 124 \
+                  --query-power 16 --checkpoints 3e6 --eval-sequences 32 --dynamic-sequences 0 --heuristics \
+                  --recall-samples 0 --scorer-options '{"features": "kv_norms"}' --train-topks 60 252 508 1020 \
+                  --lr 1e-3 --init-from "$out/wide30_w128" --tag h200_w128_qp16_ft_plain_half_mix_kernel && \
+                blend256 "$(ls -d "$out/ft_w128_kernel_half_state"/step-* | tail -1)" \
+                  h200_w128_qp16_ft_plain_half_mix_kernel_at256 0.002 0.0025 0.003 ;;
+    # one rule for text and recall at CR 87.5 %: the half-kernel scorer at λ 0.0025 with a quarter / half of its
+    # long-range slots kept by the scorer alone (anchors), its committed records seeded (only the new rules measured)
+    hk_anchors) unpack halfk && seed h200_w256_qp16_ft_plain_half_mix_kernel h200_w256_qp16_hk_anchors && \
+                blend "$out/ft_plain_half_mix_kernel_state/step-0000184" h200_w256_qp16_hk_anchors 0.0025 \
+                  --anchors 0.25 0.5 ;;
+    # phase 2's preset through its own stages (precompute, train, evaluate; Ray, MLflow) from phase 1's committed
+    # scorer; PIPELINE_ARGS may slim it (the pool, the evaluation's TOVA / H2O items)
+    preset_kernel) unpack wide30 && python -m jobs.pipeline --config configs/smollm2_scorer_wide_kernel.yaml \
+                  --set train.init_from="$out/wide30/step-0001832" --set data.mix_source="${KERNEL_DOCS:?}" \
+                  ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_kernel" && \
+                mkdir -p "$out/preset_kernel_model" && cp -r "$KVPOP_HOME"/runs/*/final_model "$out/preset_kernel_model/" ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"

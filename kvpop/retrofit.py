@@ -398,6 +398,36 @@ def check_scorer_folder(path: str | Path, *, scorer: str, scorer_options: dict, 
     return digest(path / SCORERS_FILE)
 
 
+def rewindow_scorer_folder(source: str | Path, target: str | Path, budget: Budget) -> Path:
+    """Write into ``target`` (new or empty) the scorer-only folder ``source`` at another ``budget`` whose window may
+    differ from the one it was trained at: the same scorer weights, ``budget`` and ``scorer_window = budget.window``
+    in its ``kvpop.json``, everything else (base, options, recency, layers) as saved.
+
+    Why this is well defined: no scorer parameter has the window's size. The window only says when the cache reads a
+    token's priority (at ``t + window``, METHOD §1) and so how much of the near future the scorer has seen by then;
+    the ring buffers that hold those ``window`` steps are state, not weights. The result is a *different* policy from
+    the trained one (the scorer reads earlier or later than it learned to), to be evaluated or fine-tuned at its new
+    window (``train.init_from`` checks the window), never assumed equal. A folder with its base weights inside is
+    refused (this writes scorers only)."""
+    import shutil
+
+    source, target = Path(source), Path(target)
+    meta = _saved_meta(source)
+    if meta.get("format_version") != SCORER_ONLY_FORMAT_VERSION or not meta.get("scorer") or not meta.get("base"):
+        raise ValueError(f"{source} is not a scorer-only folder (format {SCORER_ONLY_FORMAT_VERSION} with scorers "
+                         f"and a recorded base, as a train stage's final_model or a study's step-* folder)")
+    if not (source / SCORERS_FILE).is_file():
+        raise ValueError(f"{source}: {SCORERS_FILE} is missing")
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ValueError(f"{target} exists and is not an empty folder: choose a new one")
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source / SCORERS_FILE, target / SCORERS_FILE)
+    meta = {**meta, "budget": {"sink": budget.sink, "window": budget.window, "topk": budget.topk},
+            "scorer_window": budget.window}
+    (target / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
+    return target
+
+
 def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: bool) -> Path:
     """Where a folder's base weights are: itself, or (scorer-only format) the recorded or given base folder."""
     recorded = meta.get("base")
