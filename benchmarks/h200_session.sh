@@ -458,7 +458,8 @@ run_part() {
     preset_kernel) unpack wide30 && python -m jobs.pipeline --config configs/smollm2_scorer_wide_kernel.yaml \
                   --set train.init_from="$out/wide30/step-0001832" --set data.mix_source="${KERNEL_DOCS:?}" \
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_kernel" && \
-                mkdir -p "$out/preset_kernel_model" && cp -r "$KVPOP_HOME"/runs/*/final_model "$out/preset_kernel_model/" ;;
+                mkdir -p "$out/preset_kernel_model" && cp -r "$KVPOP_HOME"/runs/*/final_model "$out/preset_kernel_model/" && \
+                cp "$KVPOP_HOME/mlflow.db" "$out/preset_kernel_mlflow.db" ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
