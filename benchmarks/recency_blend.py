@@ -506,10 +506,18 @@ def committed_recall(args, path: Path, identity: dict, rules: list[str]) -> list
     return headline(done, args.recall_min_dense)
 
 
+def of_the_run(records: list[dict], sources: list[str], sequences: int) -> list[dict]:
+    """The records this run reports: its corpora's first ``sequences`` items. A records file may hold more (an earlier
+    run with a larger ``--sequences``); reporting them too would compare rules measured on more items with rules
+    measured on fewer, each against the references on its own items."""
+    return [r for r in records if r["source"] in sources and r["item"] < sequences]
+
+
 def report(args, out: Path, budget: dict, own: float, rules, records, recall, recall_rules, references) -> int:
     from benchmarks.scorer_records import write_result
     from kvpop import Budget
 
+    records = of_the_run(records, args.sources, args.sequences)
     result = {"checkpoint": str(Path(args.checkpoint)), "budget": str(Budget(**budget)), "own_recency": own,
               "streaming_layers": args.streaming_layers, "rules": rules,
               "args": vars(args), "summary": summarize(records, args.sources, rules),

@@ -49,3 +49,22 @@ def test_no_ceiling_without_two_decayed_rules_or_two_shared_sequences():
     records = [r for r in _records(two) if not (r["rule"] == "kvpop+0.003" and r["id"] != "eval-000000")]
     cell = recency_blend.versus_references(records, _references(streaming, oracle), list(two))["docs"]
     assert recency_blend.HINDSIGHT not in cell  # one sequence has every λ: no interval to give
+
+
+def test_a_run_reports_its_own_items_only():
+    """A records file with 8 items of two rules and 4 of a third: a run of --sequences 4 reports every rule on the
+    same 4 items (the gap of a rule measured on more items is not mixed in)."""
+    rng = random.Random(1)
+    streaming = [0.1 + rng.random() * 0.05 for _ in range(8)]
+    oracle = [s - 0.06 for s in streaming]
+    kls = {"streaming": streaming, "kvpop+0.002": [s - rng.uniform(0, 0.05) for s in streaming]}
+    records = [{**r, "item": int(r["id"][-6:])} for r in _records(kls)]
+    records += [{**r, "item": int(r["id"][-6:])} for r in _records({"kvpop+0.003": [s - 0.01 for s in streaming[:4]]})]
+    records += [{**r, "source": "other", "item": 0} for r in _records({"streaming": [0.2]})]
+    mine = recency_blend.of_the_run(records, ["docs"], 4)
+    assert {(r["rule"], r["item"]) for r in mine} == {(rule, i) for rule in [*kls, "kvpop+0.003"] for i in range(4)}
+    cell = recency_blend.versus_references(mine, _references(streaming, oracle), [*kls, "kvpop+0.003"])["docs"]
+    want = gap_closed(kls["kvpop+0.002"][:4], streaming[:4], oracle[:4])
+    assert cell["gap:kvpop+0.002"]["n"] == cell["gap:kvpop+0.003"]["n"] == 4
+    assert cell["gap:kvpop+0.002"]["mean"] == pytest.approx(want.estimate)
+    assert recency_blend.of_the_run(records, ["docs"], 8) == [r for r in records if r["source"] == "docs"]
