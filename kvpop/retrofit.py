@@ -404,8 +404,8 @@ def rewindow_scorer_folder(source: str | Path, target: str | Path, budget: Budge
     in its ``kvpop.json``, everything else (base, options, recency, layers) as saved.
 
     Why this is well defined: no scorer parameter has the window's size. The window only says when the cache reads a
-    token's priority (at ``t + window``, METHOD §1 and §4) and so how much of the near future the scorer has seen by then;
-    the ring buffers that hold those ``window`` steps are state, not weights. The result is a *different* policy from
+    token's priority (at ``t + window``, METHOD §1 and §4) and so how much of the near future the scorer has seen by
+    then; the ring buffers that hold those ``window`` steps are state, not weights. The result is a *different* policy from
     the trained one (the scorer reads earlier or later than it learned to), to be evaluated or fine-tuned at its new
     window (``train.init_from`` checks the window), never assumed equal. A folder with its base weights inside is
     refused (this writes scorers only)."""
