@@ -155,23 +155,40 @@ def measure_recall(model, args, budget: dict, tokenizer, path: Path, identity: d
     inputs = {"tokenizer": tokenizer, "sequences": [], "budgets": [kvpop.Budget(**budget)], "samples": samples,
               "problems": [], "prompts": []}
     done = committed(path, identity, "recall records")
-    have = {r["rule"] for r in done}
+    have = {(r["rule"], r["item"]) for r in done}
     keep = ("item", "task", "context", "depth", "exact", "logprob", "text")
     with path.open("a") as sink:
-        for rule in [r for r in rules if r not in have]:
+        for rule, missing in recall_to_measure(samples, have, rules).items():
             setting = setting_of(rule)
-            found = [r for r in evaluate_records(cfg, inputs, model, [setting]) if r["part"] == "recall"]
-            for name, policy in ((rule, setting.policy), *((("dense", "dense"),) if "dense" not in have else ())):
-                rows = [r for r in found if r["policy"] == policy]  # dense answers with every rule: kept once
+            found = [r for r in evaluate_records(cfg, {**inputs, "samples": missing}, model, [setting])
+                     if r["part"] == "recall"]
+            for name, policy in ((rule, setting.policy), ("dense", "dense")):
+                # dense answers with every rule: kept once per sample
+                rows = [r for r in found if r["policy"] == policy and (name, r["item"]) not in have]
                 for r in rows:
                     record = {**identity, "rule": name, **{k: r[k] for k in keep}}
                     sink.write(json.dumps(record) + "\n")
                     done.append(record)
-                have.add(name)
-                print(f"[recency_blend] recall {name}: exact {sum(r['exact'] for r in rows) / len(rows):.3f}",
-                      flush=True)
+                    have.add((name, r["item"]))
+                if rows:
+                    print(f"[recency_blend] recall {name}: exact {sum(r['exact'] for r in rows) / len(rows):.3f} "
+                          f"({len(rows)} new samples)", flush=True)
             sink.flush()
-    return headline(done, args.recall_min_dense)
+    return headline(of_the_recall_run(done, args), args.recall_min_dense)
+
+
+def recall_to_measure(samples: list, have: set[tuple[str, str]], rules: list[str]) -> dict[str, list]:
+    """{rule: its samples not yet in ``have`` ((rule, sample id) pairs)}, for the rules lacking any — so a re-run with
+    more samples, depths or tasks measures exactly what is new."""
+    out = {rule: [s for s in samples if (rule, s.id) not in have] for rule in rules}
+    return {rule: missing for rule, missing in out.items() if missing}
+
+
+def of_the_recall_run(done: list[dict], args) -> list[dict]:
+    """The recall records this run reports: its tasks, contexts and depths, samples ``0 … --recall-samples - 1`` (the
+    sample's index ends its id, :func:`pipelines.recall.base.build_sample`); a records file may hold more."""
+    return [r for r in done if r["task"] in args.recall_tasks and r["context"] in args.recall_contexts
+            and r["depth"] in args.recall_depths and int(r["item"].rsplit("/", 1)[1]) < args.recall_samples]
 
 
 def headline(done: list[dict], min_dense: float) -> list[dict]:
@@ -499,10 +516,16 @@ def committed_recall(args, path: Path, identity: dict, rules: list[str]) -> list
     from benchmarks.scorer_records import committed
     from pipelines.config import ConfigError
 
-    done = committed(path, identity, "recall records")
-    missing = [r for r in rules if r not in {d["rule"] for d in done}]
+    done = of_the_recall_run(committed(path, identity, "recall records"), args)
+    cells = len(args.recall_tasks) * len(args.recall_contexts) * len(args.recall_depths) * args.recall_samples
+    count = {rule: 0 for rule in ["dense", *rules]}
+    for d in done:
+        if d["rule"] in count:
+            count[d["rule"]] += 1
+    missing = [r for r, n in count.items() if n < cells]
     if missing:
-        raise ConfigError(f"{path} has no recall records of {', '.join(missing)}: measure them (without --summarize)")
+        raise ConfigError(f"{path} lacks recall records of {', '.join(missing)} ({cells} samples asked): measure them "
+                          f"(without --summarize)")
     return headline(done, args.recall_min_dense)
 
 
