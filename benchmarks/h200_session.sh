@@ -9,7 +9,7 @@
 #    norms192 train768 multik train768_11 multik_wide multik30 multik384
 #    multik_wide30 multik_wide30_planted klmask_plain klmask ft_plain ft_kl ft_kl03 ft_plain_mix ft_kl_mix
 #    ft_plain_kernel ft_plain_kernel_half ft_plain8 ft_plain_mix8 ft_plain_kernel8 ft_plain_kernel_half8
-#    hk256 ft_w128_kernel_half hk_anchors preset_kernel)
+#    hk256 ft_w128_kernel_half hk_anchors preset_kernel preset_wide)
 #   PART may be a comma-separated group, e.g. eval,baselines: its parts run side by side (SmolLM2-135M leaves the
 #   H200 mostly idle between kernels: the third session ran eval, baselines and learning_curves so in 26 minutes).
 #
@@ -460,6 +460,18 @@ run_part() {
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_kernel" && \
                 mkdir -p "$out/preset_kernel_model" && cp -r "$KVPOP_HOME"/runs/*/final_model "$out/preset_kernel_model/" && \
                 cp "$KVPOP_HOME/mlflow.db" "$out/preset_kernel_mlflow.db" ;;
+    # phase 1's preset through its own stages, across sessions: PIPELINE_ARGS="--set train.steps=916" in the first
+    # (half of 1,832), none in the second. A committed checkpoints/preset_wide_run.tgz (the run's Ray Train
+    # checkpoints — every one its snapshot lists (2, ~24 MB each for this scorer): Ray refuses a snapshot whose
+    # checkpoint is missing — and the MLflow store, as this part leaves them in $out) is restored into $KVPOP_HOME
+    # first: the precompute stage rebuilds the same targets, and the train stage resumes from the run's last
+    # checkpoint (checked on CPU with a tiny run: home wiped, checkpoints restored, steps 4 -> 6 resumed from 4)
+    preset_wide) { [ ! -e benchmarks/results/checkpoints/preset_wide_run.tgz ] || { mkdir -p "$KVPOP_HOME" && \
+                  tar xzf benchmarks/results/checkpoints/preset_wide_run.tgz -C "$KVPOP_HOME"; }; } && \
+                python -m jobs.pipeline --config configs/smollm2_scorer_wide.yaml ${PIPELINE_ARGS:-}; \
+                (cd "$KVPOP_HOME" && tar czf "$out/preset_wide_run.tgz" mlflow.db runs/*/checkpoint_manager_snapshot.json \
+                  runs/*/checkpoint_[0-9]*) && \
+                { [ ! -d "$KVPOP_HOME/eval" ] || cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_wide"; } ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
