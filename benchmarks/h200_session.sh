@@ -460,15 +460,16 @@ run_part() {
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_kernel" && \
                 mkdir -p "$out/preset_kernel_model" && cp -r "$KVPOP_HOME"/runs/*/final_model "$out/preset_kernel_model/" && \
                 cp "$KVPOP_HOME/mlflow.db" "$out/preset_kernel_mlflow.db" ;;
-    # phase 1's preset through its own stages, across sessions: PIPELINE_ARGS="--set train.steps=916" in the first
-    # (half of 1,832), none in the second. A committed checkpoints/preset_wide_run.tgz (the run's Ray Train
+    # phase 1's preset through its own stages, across sessions: PIPELINE_ARGS="--set train.steps=916"
+    # PRESET_STAGES="precompute train" in the first (half of 1,832, no evaluation), neither in the second. A committed checkpoints/preset_wide_run.tgz (the run's Ray Train
     # checkpoints — every one its snapshot lists (2, ~24 MB each for this scorer): Ray refuses a snapshot whose
     # checkpoint is missing — and the MLflow store, as this part leaves them in $out) is restored into $KVPOP_HOME
     # first: the precompute stage rebuilds the same targets, and the train stage resumes from the run's last
     # checkpoint (checked on CPU with a tiny run: home wiped, checkpoints restored, steps 4 -> 6 resumed from 4)
     preset_wide) { [ ! -e benchmarks/results/checkpoints/preset_wide_run.tgz ] || { mkdir -p "$KVPOP_HOME" && \
                   tar xzf benchmarks/results/checkpoints/preset_wide_run.tgz -C "$KVPOP_HOME"; }; } && \
-                python -m jobs.pipeline --config configs/smollm2_scorer_wide.yaml ${PIPELINE_ARGS:-}; \
+                for stage in ${PRESET_STAGES:-precompute train evaluate}; do \
+                  python -m jobs.$stage --config configs/smollm2_scorer_wide.yaml ${PIPELINE_ARGS:-} || break; done; \
                 (cd "$KVPOP_HOME" && tar czf "$out/preset_wide_run.tgz" mlflow.db runs/*/checkpoint_manager_snapshot.json \
                   runs/*/checkpoint_[0-9]*) && \
                 { [ ! -d "$KVPOP_HOME/eval" ] || cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_wide"; } ;;
