@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -518,11 +519,8 @@ def committed_recall(args, path: Path, identity: dict, rules: list[str]) -> list
 
     done = of_the_recall_run(committed(path, identity, "recall records"), args)
     cells = len(args.recall_tasks) * len(args.recall_contexts) * len(args.recall_depths) * args.recall_samples
-    count = {rule: 0 for rule in ["dense", *rules]}
-    for d in done:
-        if d["rule"] in count:
-            count[d["rule"]] += 1
-    missing = [r for r, n in count.items() if n < cells]
+    count = Counter(d["rule"] for d in done)
+    missing = [r for r in ["dense", *rules] if count[r] < cells]
     if missing:
         raise ConfigError(f"{path} lacks recall records of {', '.join(missing)} ({cells} samples asked): measure them "
                           f"(without --summarize)")

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import shutil
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -409,8 +410,6 @@ def rewindow_scorer_folder(source: str | Path, target: str | Path, budget: Budge
     the trained one (the scorer reads earlier or later than it learned to), to be evaluated or fine-tuned at its new
     window (``train.init_from`` checks the window), never assumed equal. A folder with its base weights inside is
     refused (this writes scorers only)."""
-    import shutil
-
     source, target = Path(source), Path(target)
     meta = _saved_meta(source)
     if meta.get("format_version") != SCORER_ONLY_FORMAT_VERSION or not meta.get("scorer") or not meta.get("base"):
