@@ -139,6 +139,24 @@ rewindow() {
   case $1 in wide30) src=$out/wide30/step-0001832 ;; halfk) src=$out/ft_plain_half_mix_kernel_state/step-0000184 ;; esac
   [ -e "$out/$2/kvpop.json" ] || python benchmarks/rewindow_scorer.py "$src" "$out/$2" --sink 4 --window 128 --topk 124
 }
+# preset_wide_stages: phase 1's preset (configs/smollm2_scorer_wide.yaml) through PRESET_STAGES (default all three)
+# with PIPELINE_ARGS; with PRESET_DEADLINE (epoch seconds) the train stage stops at the last multiple of 100 steps (its
+# checkpoint_every: what a later session resumes from) that ends by then at 1.55 steps a second (the twenty-second
+# session measured ~1.65 alone, 27k tokens/s, after ~75 s of start-up), and is skipped below 100
+preset_wide_stages() {
+  local stage steps extra
+  for stage in ${PRESET_STAGES:-precompute train evaluate}; do
+    extra=()
+    if [ "$stage" = train ] && [ -n "${PRESET_DEADLINE:-}" ]; then
+      steps=$(( (PRESET_DEADLINE - $(date +%s) - 75) * 155 / 100 / 100 * 100 ))
+      [ "$steps" -le 1832 ] || steps=1832
+      echo "preset_wide: train to step $steps $(date +%T)" >> "$out/progress.log"
+      [ "$steps" -ge 100 ] || return 1
+      extra=(--set train.steps="$steps")
+    fi
+    python -m jobs.$stage --config configs/smollm2_scorer_wide.yaml ${PIPELINE_ARGS:-} "${extra[@]}" || return 1
+  done
+}
 run_part() {
   local part=$1
   echo "start $part $(date +%T)" >> "$out/progress.log"
@@ -460,19 +478,21 @@ run_part() {
                   ${PIPELINE_ARGS:-} && cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_kernel" && \
                 mkdir -p "$out/preset_kernel_model" && cp -r "$KVPOP_HOME"/runs/*/final_model "$out/preset_kernel_model/" && \
                 cp "$KVPOP_HOME/mlflow.db" "$out/preset_kernel_mlflow.db" ;;
-    # phase 1's preset through its own stages, across sessions: PIPELINE_ARGS="--set train.steps=916"
-    # PRESET_STAGES="precompute train" in the first (half of 1,832, no evaluation), neither in the second. A committed checkpoints/preset_wide_run.tgz (the run's Ray Train
-    # checkpoints — every one its snapshot lists (2, ~24 MB each for this scorer): Ray refuses a snapshot whose
-    # checkpoint is missing — and the MLflow store, as this part leaves them in $out) is restored into $KVPOP_HOME
-    # first: the precompute stage rebuilds the same targets, and the train stage resumes from the run's last
-    # checkpoint (checked on CPU with a tiny run: home wiped, checkpoints restored, steps 4 -> 6 resumed from 4)
+    # phase 1's preset through its own stages, across sessions (preset_wide_stages): the first with
+    # PRESET_STAGES="precompute train" and PRESET_DEADLINE, the next without (resumes, finishes, evaluates). A committed
+    # checkpoints/preset_wide_run.tgz (the run's Ray Train checkpoints — every one its snapshot lists (2, ~24 MB each
+    # for this scorer): Ray refuses a snapshot whose checkpoint is missing — its final model if the stage ended (a run
+    # trained to its steps then only completes its MLflow run), and the MLflow store, as this part leaves them in
+    # $out) is restored into $KVPOP_HOME first: the precompute stage rebuilds the same targets (~4.6 min with
+    # the preset's 3 actors), and the train stage resumes from the run's last checkpoint (checked on CPU with a tiny
+    # run: home wiped, checkpoints restored, steps 4 -> 6 resumed from 4)
     preset_wide) { [ ! -e benchmarks/results/checkpoints/preset_wide_run.tgz ] || { mkdir -p "$KVPOP_HOME" && \
                   tar xzf benchmarks/results/checkpoints/preset_wide_run.tgz -C "$KVPOP_HOME"; }; } && \
-                for stage in ${PRESET_STAGES:-precompute train evaluate}; do \
-                  python -m jobs.$stage --config configs/smollm2_scorer_wide.yaml ${PIPELINE_ARGS:-} || break; done; \
-                (cd "$KVPOP_HOME" && tar czf "$out/preset_wide_run.tgz" mlflow.db runs/*/checkpoint_manager_snapshot.json \
-                  runs/*/checkpoint_[0-9]*) && \
-                { [ ! -d "$KVPOP_HOME/eval" ] || cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_wide"; } ;;
+                { preset_wide_stages; rc=$?; \
+                  (cd "$KVPOP_HOME" && tar czf "$out/preset_wide_run.tgz" mlflow.db runs/*/checkpoint_manager_snapshot.json \
+                    runs/*/checkpoint_[0-9]* $(ls -d runs/*/final_model 2>/dev/null)) && \
+                  { [ ! -d "$KVPOP_HOME/eval" ] || cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_wide"; } && \
+                  [ $rc = 0 ]; } ;;
     *)          echo "unknown part $part"; false ;;
   esac > "$out/$part.log" 2>&1
   echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
