@@ -15,7 +15,8 @@ value may be ``None`` where it is undefined for an item (a problem dense did not
   ``eval.baselines``, e.g. StreamingLLM+ or DMS);
 * the fraction of the streaming → oracle gap each other policy closes (a paired ratio of means);
 * for the recall part, accuracy per cell (task, context, depth); the headline recall metrics use only the cells the
-  stage marked ``headline`` (dense accuracy at least the calibration threshold).
+  stage marked ``headline`` (dense accuracy at least the calibration threshold), and each policy's headline exact
+  match is also given as a share of dense's on the same samples (a paired ratio of means).
 
 Wording follows the intervals: "above" / "below" only where the paired interval excludes 0, otherwise "not resolved
 (≈ N items needed)". Per-item values are rounded to 1e-6 first, so that float noise is not a resolved difference.
@@ -94,9 +95,9 @@ def _common(a: dict, b: dict) -> list[str]:
 def summarize(records: Sequence[dict], budgets: Sequence[dict], *, resamples: int = stats.RESAMPLES,
               seed: int = stats.SEED) -> dict:
     """``budgets``: ``[{"B", "CR", ...}]`` (reachable only). Returns ``{"metrics", "differences", "gap_closed",
-    "cells"}``, lists of JSON-able dicts."""
+    "recall_share", "cells"}``, lists of JSON-able dicts."""
     options = {"resamples": resamples, "seed": seed}
-    summary = {"metrics": [], "differences": [], "gap_closed": [], "cells": recall_cells(records)}
+    summary = {"metrics": [], "differences": [], "gap_closed": [], "recall_share": [], "cells": recall_cells(records)}
     for budget in budgets:
         total = budget["B"]
         for metric in METRICS:
@@ -109,6 +110,8 @@ def summarize(records: Sequence[dict], budgets: Sequence[dict], *, resamples: in
                 summary["metrics"].append({**base, "policy": policy, **interval.to_dict()})
             summary["differences"] += _differences(values, metric, base, options)
             summary["gap_closed"] += _gaps(values, metric, base, options)
+            if metric.name == "recall_exact":
+                summary["recall_share"] += _recall_shares(values, base, options)
     return summary
 
 
@@ -168,6 +171,22 @@ def _gaps(values, metric, base, options) -> list[dict]:
         interval = stats.gap_closed(*([-sign * values[p][i] for i in items] for p in (policy, "streaming", "oracle")),
                                     **options)
         out.append({**base, "policy": policy, **interval.to_dict()})
+    return out
+
+
+def _recall_shares(values, base, options) -> list[dict]:
+    """Each policy's headline exact match as a share of dense's on the same samples: mean over mean with its paired
+    bootstrap interval (issue 12's "≥ 0.8 × dense" holds where ``lo`` ≥ 0.8)."""
+    if "dense" not in values:
+        return []
+    out = []
+    for policy in sorted(values, key=_order):
+        items = _common(values[policy], values["dense"])
+        if policy == "dense" or not items:
+            continue
+        share = stats.bootstrap_for(len(items), **options).ratio([values[policy][i] for i in items],
+                                                                  [values["dense"][i] for i in items])
+        out.append({**base, "policy": policy, **share.to_dict()})
     return out
 
 
@@ -265,6 +284,12 @@ def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None
         lines += heading("fraction of the streaming -> oracle KL gap closed [95% interval] (1 = the oracle's KL)")
         lines += table(["policy", "B", "metric", "gap closed"], [
             [g["policy"], str(g["B"]), _metric(g["metric"]).label, _cell(g, 2)] for g in gaps])
+    shares = summary.get("recall_share") or []  # absent from summaries written before it existed
+    if shares:
+        lines += heading("headline recall exact match as a share of dense's on the same samples [95% interval]")
+        lines += table(["policy", "B", "share of dense", "at least 0.8 x dense"], [
+            [s["policy"], str(s["B"]), _cell(s, 3), "yes" if s["lo"] >= 0.8 else "no" if s["hi"] < 0.8 else
+             "not resolved"] for s in shares])
     headers, rows = _cells_rows(summary["cells"], budgets)
     if rows:
         lines += heading("recall exact match per cell (task, context tokens, depth)")
@@ -342,7 +367,8 @@ def _phrase(d: dict) -> str:
 
 def mlflow_metrics(summary: dict) -> dict[str, float]:
     """``<policy>.B<total>.<metric>`` with ``.lo`` / ``.hi``; paired differences as ``….vs_<baseline
-    kind>`` (+ ``.lo``, ``.hi``, ``.resolved``); gap closed as ``….gap_closed``. Finite values only."""
+    kind>`` (+ ``.lo``, ``.hi``, ``.resolved``); gap closed as ``….gap_closed``; headline recall as a share of dense's
+    as ``….recall_exact.share_of_dense``. Finite values only."""
     out = {}
     for m in summary["metrics"]:
         key = f"{m['policy']}.B{m['B']}.{m['metric']}"
@@ -353,6 +379,9 @@ def mlflow_metrics(summary: dict) -> dict[str, float]:
     for g in summary["gap_closed"]:
         key = f"{g['policy']}.B{g['B']}.{g['metric']}.gap_closed"
         out.update({key: g["estimate"], f"{key}.lo": g["lo"], f"{key}.hi": g["hi"]})
+    for r in summary.get("recall_share") or []:
+        key = f"{r['policy']}.B{r['B']}.recall_exact.share_of_dense"
+        out.update({key: r["estimate"], f"{key}.lo": r["lo"], f"{key}.hi": r["hi"]})
     return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
 
 

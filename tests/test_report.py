@@ -164,3 +164,38 @@ def test_float_noise_is_no_difference():
     diff = next(d for d in summary["differences"] if d["policy"] == "kvpop")
     assert (diff["estimate"], diff["lo"], diff["hi"], diff["resolved"]) == (0.0, 0.0, 0.0, False)
     assert "gen_kl identical on every item" in " ".join(R.sentences(summary, BUDGETS[:1]))
+
+
+def test_recall_share_of_dense_is_the_paired_ratio_of_headline_means():
+    """Each policy's headline recall as a share of dense's on the same samples (issue 12's "≥ 0.8 × dense"): mean over
+    mean, the same bootstrap's interval, non-headline cells left out, reported, in MLflow, and "yes" only above 0.8."""
+    rng = random.Random(5)
+    records = []
+    for i in range(30):
+        for depth, headline in ((0.1, True), (0.9, False)):
+            dense = float(rng.random() < 0.95)
+            hits = {"dense": dense, "streaming": 0.0, "kvpop": float(dense and rng.random() < 0.9),
+                    "tova": float(rng.random() < 0.5)}
+            records += [{"part": "recall", "policy": p, "B": None if p == "dense" else 100, "item": f"r{i}-{depth}",
+                         "task": "kv", "context": 64, "depth": depth, "exact": e, "headline": headline}
+                        for p, e in hits.items()]
+    summary = R.summarize(records, BUDGETS[:1], resamples=300)
+    shares = {s["policy"]: s for s in summary["recall_share"]}
+    assert set(shares) == {"streaming", "kvpop", "tova"}
+    heads = {p: values_of(records, p, 100, "exact", "recall") for p in ("dense", "kvpop")}
+    items = sorted(heads["dense"])
+    assert len(items) == 30 and shares["kvpop"]["n"] == 30  # the headline cell's samples only
+    want = S.bootstrap_for(30, resamples=300).ratio([heads["kvpop"][i] for i in items],
+                                                    [heads["dense"][i] for i in items])
+    assert (shares["kvpop"]["estimate"], shares["kvpop"]["lo"], shares["kvpop"]["hi"]) == \
+        (want.estimate, want.lo, want.hi)
+    assert shares["kvpop"]["estimate"] == pytest.approx(sum(heads["kvpop"].values()) / sum(heads["dense"].values()))
+    assert shares["streaming"]["estimate"] == 0.0
+    text = R.format_report(summary, BUDGETS[:1])
+    verdict = {"streaming": "no", "kvpop": "yes" if want.lo >= 0.8 else "no" if want.hi < 0.8 else "not resolved"}
+    for policy, word in verdict.items():
+        assert any(line.split()[:1] == [policy] and line.rstrip().endswith(word) for line in text.splitlines()
+                   if "|" not in line and "100" in line), (policy, word, text)
+    metrics = R.mlflow_metrics(summary)
+    assert metrics["kvpop.B100.recall_exact.share_of_dense"] == pytest.approx(want.estimate)
+    assert "kvpop.B100.recall_exact.share_of_dense.lo" in metrics
