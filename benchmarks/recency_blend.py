@@ -249,9 +249,9 @@ def summarize(records: list[dict], sources: list[str], rules: list[str]) -> dict
 
 def summarize_recall(records: list[dict], rules: list[str]) -> dict:
     """Over the headline samples (dense's too): :func:`means_and_pairs` of exact match and gold log-probability, and
-    each rule's exact match as a share of dense's (``share:<rule>``: mean over mean, paired bootstrap interval — the
-    issue's "≥ 0.8 × dense" is resolved where its low end is ≥ 0.8); ``cells``: every cell's exact match per rule,
-    headline or not (the cells a rule loses are reported too)."""
+    each rule's exact match as a share of dense's (``share:<rule>``: mean over mean, paired bootstrap interval, read
+    against :data:`pipelines.report.RECALL_LINE`); ``cells``: every cell's exact match per rule, headline or not (the
+    cells a rule loses are reported too)."""
     from pipelines.stats import bootstrap_for
 
     if not records:
@@ -272,13 +272,13 @@ def summarize_recall(records: list[dict], rules: list[str]) -> dict:
     out["cells"] = {}
     for name, cell in cells.items():
         headline_cell = cell.pop("headline")
-        out["cells"][name] = summary = {"headline": headline_cell}
+        out["cells"][name] = entry = {"headline": headline_cell}
         for rule, hits in cell.items():
-            summary[rule] = {"mean": sum(hits.values()) / len(hits), "n": len(hits)}
+            entry[rule] = {"mean": sum(hits.values()) / len(hits), "n": len(hits)}
             both = sorted(set(hits) & set(cell.get("dense", {})))
             if rule != "dense" and both:
                 share = bootstrap_for(len(both)).ratio([hits[i] for i in both], [cell["dense"][i] for i in both])
-                summary[rule]["share"] = {"mean": share.estimate, "low": share.lo, "high": share.hi, "n": share.n}
+                entry[rule]["share"] = {"mean": share.estimate, "low": share.lo, "high": share.hi, "n": share.n}
     return out
 
 
@@ -403,6 +403,7 @@ def cell_entry(entry: dict) -> str:
 
 def render(result: dict) -> str:
     from benchmarks.bootstrap import format_interval
+    from pipelines.report import RECALL_LINE, versus_line
 
     rules = result["rules"]
     layers = result.get("streaming_layers")
@@ -460,11 +461,10 @@ def render(result: dict) -> str:
         shares = [(rule, recall[f"share:{rule}"]) for rule in rules if f"share:{rule}" in recall]
         if shares:
             lines += ["", "Exact match as a share of dense's on the same headline samples (mean over mean, 95 % paired "
-                      "bootstrap interval; ≥ 0.8 × dense resolved where the low end is ≥ 0.8):", "",
-                      "| rule | share of dense | resolved ≥ 0.8 × dense |", "|---|---|---|"]
+                      f"bootstrap interval; ≥ {RECALL_LINE:g} × dense resolved where the low end is ≥ {RECALL_LINE:g}):",
+                      "", f"| rule | share of dense | resolved ≥ {RECALL_LINE:g} × dense |", "|---|---|---|"]
             lines += [f"| {rule} | {s['mean']:.3f} [{s['low']:.3f}, {s['high']:.3f}] | "
-                      f"{'yes' if s['low'] >= 0.8 else 'no' if s['high'] < 0.8 else 'not resolved'} |"
-                      for rule, s in shares]
+                      f"{versus_line(s['low'], s['high'])} |" for rule, s in shares]
     cells = recall.get("cells") or {}
     if cells:
         shown = [r for r in ["dense", *rules] if any(r in c for c in cells.values())]

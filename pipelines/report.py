@@ -174,9 +174,18 @@ def _gaps(values, metric, base, options) -> list[dict]:
     return out
 
 
+RECALL_LINE = 0.8  # issue 12's recall acceptance: at least this share of dense's exact match
+
+
+def versus_line(lo: float, hi: float, line: float = RECALL_LINE) -> str:
+    """Whether a share's 95 % interval puts it at least at ``line``: "yes" (low end ≥ line), "no" (high end below),
+    else "not resolved"."""
+    return "yes" if lo >= line else "no" if hi < line else "not resolved"
+
+
 def _recall_shares(values, base, options) -> list[dict]:
     """Each policy's headline exact match as a share of dense's on the same samples: mean over mean with its paired
-    bootstrap interval (issue 12's "≥ 0.8 × dense" holds where ``lo`` ≥ 0.8)."""
+    bootstrap interval (:func:`versus_line` reads it against :data:`RECALL_LINE`)."""
     if "dense" not in values:
         return []
     out = []
@@ -287,9 +296,8 @@ def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None
     shares = summary.get("recall_share") or []  # absent from summaries written before it existed
     if shares:
         lines += heading("headline recall exact match as a share of dense's on the same samples [95% interval]")
-        lines += table(["policy", "B", "share of dense", "at least 0.8 x dense"], [
-            [s["policy"], str(s["B"]), _cell(s, 3), "yes" if s["lo"] >= 0.8 else "no" if s["hi"] < 0.8 else
-             "not resolved"] for s in shares])
+        lines += table(["policy", "B", "share of dense", f"at least {RECALL_LINE:g} x dense"], [
+            [s["policy"], str(s["B"]), _cell(s, 3), versus_line(s["lo"], s["hi"])] for s in shares])
     headers, rows = _cells_rows(summary["cells"], budgets)
     if rows:
         lines += heading("recall exact match per cell (task, context tokens, depth)")
