@@ -142,19 +142,24 @@ rewindow() {
 # preset_wide_stages: phase 1's preset (configs/smollm2_scorer_wide.yaml) through PRESET_STAGES (default all three)
 # with PIPELINE_ARGS; with PRESET_DEADLINE (epoch seconds) the train stage stops at the last multiple of 100 steps (its
 # checkpoint_every: what a later session resumes from) that ends by then at 1.55 steps a second (the twenty-second
-# session measured ~1.65 alone, 27k tokens/s, after ~75 s of start-up), and is skipped below 100
+# session measured ~1.65 alone, 27k tokens/s, after ~75 s of start-up), at most the config's train.steps, and is
+# skipped below 100
 preset_wide_stages() {
-  local stage steps extra
+  local stage steps extra config=configs/smollm2_scorer_wide.yaml
   for stage in ${PRESET_STAGES:-precompute train evaluate}; do
     extra=()
     if [ "$stage" = train ] && [ -n "${PRESET_DEADLINE:-}" ]; then
+      local most
+      most=$(python -c 'import sys; from pipelines.config import load_config; a = sys.argv[2:]
+print(load_config(sys.argv[1], [v for k, v in zip(a, a[1:]) if k == "--set"]).train.steps)' "$config" ${PIPELINE_ARGS:-}) \
+        || return 1
       steps=$(( (PRESET_DEADLINE - $(date +%s) - 75) * 155 / 100 / 100 * 100 ))
-      [ "$steps" -le 1832 ] || steps=1832
+      [ "$steps" -le "$most" ] || steps=$most
       echo "preset_wide: train to step $steps $(date +%T)" >> "$out/progress.log"
       [ "$steps" -ge 100 ] || return 1
       extra=(--set train.steps="$steps")
     fi
-    python -m jobs.$stage --config configs/smollm2_scorer_wide.yaml ${PIPELINE_ARGS:-} "${extra[@]}" || return 1
+    python -m jobs.$stage --config "$config" ${PIPELINE_ARGS:-} "${extra[@]}" || return 1
   done
 }
 run_part() {

@@ -254,6 +254,10 @@ def summarize_recall(records: list[dict], rules: list[str]) -> dict:
     cells a rule loses are reported too)."""
     from pipelines.stats import bootstrap_for
 
+    def share_of(hits: list[float], dense: list[float]) -> dict:
+        share = bootstrap_for(len(dense)).ratio(hits, dense)
+        return {"mean": share.estimate, "low": share.lo, "high": share.hi, "n": share.n}
+
     if not records:
         return {}
     rules = ["dense", *rules]
@@ -263,8 +267,7 @@ def summarize_recall(records: list[dict], rules: list[str]) -> dict:
     if out["items"]:
         dense = [by_item["dense", i] for i in out["items"]]
         for rule in rules[1:]:
-            share = bootstrap_for(len(dense)).ratio([by_item[rule, i] for i in out["items"]], dense)
-            out[f"share:{rule}"] = {"mean": share.estimate, "low": share.lo, "high": share.hi, "n": share.n}
+            out[f"share:{rule}"] = share_of([by_item[rule, i] for i in out["items"]], dense)
     cells: dict[str, dict] = {}
     for r in sorted(records, key=lambda r: (r["task"], r["context"], r["depth"])):
         cell = cells.setdefault(f"{r['task']} c{r['context']} d{r['depth']:g}", {"headline": r["headline"]})
@@ -277,8 +280,7 @@ def summarize_recall(records: list[dict], rules: list[str]) -> dict:
             entry[rule] = {"mean": sum(hits.values()) / len(hits), "n": len(hits)}
             both = sorted(set(hits) & set(cell.get("dense", {})))
             if rule != "dense" and both:
-                share = bootstrap_for(len(both)).ratio([hits[i] for i in both], [cell["dense"][i] for i in both])
-                entry[rule]["share"] = {"mean": share.estimate, "low": share.lo, "high": share.hi, "n": share.n}
+                entry[rule]["share"] = share_of([hits[i] for i in both], [cell["dense"][i] for i in both])
     return out
 
 
