@@ -141,9 +141,9 @@ rewindow() {
 }
 # preset_wide_stages: phase 1's preset (configs/smollm2_scorer_wide.yaml) through PRESET_STAGES (default all three)
 # with PIPELINE_ARGS; with PRESET_DEADLINE (epoch seconds) the train stage stops at the last multiple of 100 steps (its
-# checkpoint_every: what a later session resumes from) that ends by then at 1.55 steps a second (the twenty-second
-# session measured ~1.65 alone, 27k tokens/s, after ~75 s of start-up), at most the config's train.steps, and is
-# skipped below 100
+# checkpoint_every: what a later session resumes from) that ends by then at 1.65 steps a second after 150 s of
+# start-up (measured: ~1.65 steps/s in the twenty-second session, 1.91 over the first 110 steps of the twenty-third,
+# whose stage took 150 s from its start to step 1), at most the config's train.steps, and is skipped below 100
 preset_wide_stages() {
   local stage steps extra config=configs/smollm2_scorer_wide.yaml
   for stage in ${PRESET_STAGES:-precompute train evaluate}; do
@@ -153,7 +153,7 @@ preset_wide_stages() {
       most=$(python -c 'import sys; from pipelines.config import load_config; a = sys.argv[2:]
 print(load_config(sys.argv[1], [v for k, v in zip(a, a[1:]) if k == "--set"]).train.steps)' "$config" ${PIPELINE_ARGS:-}) \
         || return 1
-      steps=$(( (PRESET_DEADLINE - $(date +%s) - 75) * 155 / 100 / 100 * 100 ))
+      steps=$(( (PRESET_DEADLINE - $(date +%s) - 150) * 165 / 100 / 100 * 100 ))
       [ "$steps" -le "$most" ] || steps=$most
       echo "preset_wide: train to step $steps $(date +%T)" >> "$out/progress.log"
       [ "$steps" -ge 100 ] || return 1
