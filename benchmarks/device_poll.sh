@@ -2,8 +2,8 @@
 # bash /tmp/repo/benchmarks/device_poll.sh SECONDS — on the device machine, after device_go.sh: wait up to SECONDS
 # (less once h200_session.sh has written "done"), print the progress and each log's last lines, then bring /tmp/r back
 # through $OUT in 15 MB parts (r.tar.partaa, …; here: `cat r.tar.parta? | tar xf -`). While the session runs, a
-# backup of the runs in $KVPOP_HOME goes with it (kvhome_backup.tgz: the MLflow store, each run's Ray Train snapshot
-# and checkpoints — what part preset_wide's own tarball holds): if the machine is lost, commit it as
+# backup of the runs in $KVPOP_HOME goes with it (kvhome_backup.tgz, benchmarks/run_state.sh: what part preset_wide's
+# own tarball holds): if the machine is lost, commit it as
 # benchmarks/results/checkpoints/preset_wide_run.tgz and the next session resumes from its last checkpoint.
 [ -e "${GPU_DIR:-/tmp/gpu}/env.sh" ] || { echo "MACHINE GONE: a fresh machine, nothing installed"; exit 3; }
 home=${KVPOP_HOME:-/tmp/kvhome}
@@ -16,8 +16,7 @@ nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/
 # the session's own tarballs hold the state once it is done: no stale backup beside them
 if finished; then rm -f /tmp/r/kvhome_backup.tgz
 elif ls -d "$home"/runs/*/checkpoint_[0-9]* > /dev/null 2>&1; then
-  (cd "$home" && tar czf /tmp/r/kvhome_backup.tgz mlflow.db runs/*/checkpoint_manager_snapshot.json \
-    runs/*/checkpoint_[0-9]*)
+  KVPOP_HOME=$home bash "$(dirname "$0")/run_state.sh" /tmp/r/kvhome_backup.tgz
 fi
 cd /tmp/r && tar cf - --exclude='./.unpack.lock' . | split -b 15M - "${OUT:?}/r.tar.part"
 ls -la "$OUT"

@@ -496,8 +496,7 @@ run_part() {
     preset_wide) { [ ! -e benchmarks/results/checkpoints/preset_wide_run.tgz ] || { mkdir -p "$KVPOP_HOME" && \
                   tar xzf benchmarks/results/checkpoints/preset_wide_run.tgz -C "$KVPOP_HOME"; }; } && \
                 { preset_wide_stages; rc=$?; \
-                  (cd "$KVPOP_HOME" && tar czf "$out/preset_wide_run.tgz" mlflow.db runs/*/checkpoint_manager_snapshot.json \
-                    runs/*/checkpoint_[0-9]* $(ls -d runs/*/final_model 2>/dev/null)) && \
+                  bash benchmarks/run_state.sh "$out/preset_wide_run.tgz" && \
                   { [ ! -d "$KVPOP_HOME/eval" ] || cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval_wide"; } && \
                   [ $rc = 0 ]; } ;;
     *)          echo "unknown part $part"; false ;;
