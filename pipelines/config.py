@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import yaml
 
+from kvpop.allocation import MODES as ALLOCATION_MODES
 from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule
 from kvpop.objective import TRAIN_POLICIES
@@ -129,6 +130,25 @@ class PrecomputeConfig(OptionalSettings):
         """The target definition (METHOD §2) as :func:`kvpop.targets.teacher_pass` and the oracle take it: what a
         scorer trained on these targets is evaluated and diagnosed against."""
         return {"group_reduce": self.group_reduce, "query_power": self.query_power}
+
+
+@dataclass(frozen=True)
+class AllocateConfig:
+    """pipelines/allocate.py: per-(layer, KV head) budgets from the stored targets (kvpop/allocation.py, METHOD §7)."""
+    mode: str = "per_head"  # per_head | per_layer (one budget per layer, for engines whose pools differ by layer)
+    mean_budget: int = 0  # B, the mean tokens per head (Σ budgets = layers × kv_heads × B); 0: budget.total
+    query_stride: int = 16  # calibration queries per sequence: S-1, S-1-stride, … (1: every query)
+    sequences: int = 0  # calibration sequences: the first N of the stored targets; 0: all
+    output_root: str = ""  # default: $KVPOP_HOME/allocations
+
+    def __post_init__(self):
+        _require([(self.mode in ALLOCATION_MODES, f"allocate.mode must be one of {', '.join(ALLOCATION_MODES)}"),
+                  (self.mean_budget >= 0, "allocate.mean_budget must be >= 0 (0: budget.total)"),
+                  (self.query_stride >= 1, "allocate.query_stride must be >= 1"),
+                  (self.sequences >= 0, "allocate.sequences must be >= 0 (0: all stored sequences)")])
+
+    def resolved_mean_budget(self, budget: Budget) -> int:
+        return self.mean_budget or budget.total
 
 
 @dataclass(frozen=True)
@@ -360,6 +380,7 @@ class PipelineConfig:
     data: DataConfig = field(default_factory=DataConfig)
     budget: Budget = DEFAULT_BUDGET  # YAML keys budget.sink / budget.window / budget.topk
     precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+    allocate: AllocateConfig = field(default_factory=AllocateConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -375,6 +396,10 @@ class PipelineConfig:
         if budget.total > self.data.seq_len:
             raise ConfigError(f"budget {budget} keeps {budget.total} tokens, more than data.seq_len="
                               f"{self.data.seq_len}: nothing would be evicted")
+        mean = self.allocate.resolved_mean_budget(budget)
+        if not budget.sink + budget.window <= mean <= self.data.seq_len:
+            raise ConfigError(f"allocate.mean_budget={mean} must be in [sink + window, data.seq_len] = "
+                              f"[{budget.sink + budget.window}, {self.data.seq_len}]")
         for total in self.eval.budgets:
             if total < budget.sink + budget.window:
                 raise ConfigError(f"eval.budgets: {total} is smaller than sink + window = "

@@ -14,6 +14,8 @@ another run. A re-run of the stage with the same settings replaces the record (t
 **Record.** ``{"stage", "key", "config" (the config's name), "time", "payload"}``; payloads:
 
 * ``precompute``: ``targets_key``, ``path`` (the target directory), ``rows``, ``shards``;
+* ``allocate``: ``path`` (the allocation file), ``mlflow_run_id``, ``targets`` (directory), ``mode``, ``mean``,
+  ``peak``;
 * ``train``: ``run_name``, ``model_dir``, ``mlflow_run_id``, ``steps``, ``targets`` (directory), ``mode``;
 * ``evaluate``: ``output_dir``, ``mlflow_run_id``.
 
@@ -82,6 +84,14 @@ def precompute_key(cfg: PipelineConfig) -> str:
                        p.sequences_per_shard, *p.optional_settings().items())
 
 
+def allocate_key(cfg: PipelineConfig) -> str:
+    """The targets it reads (the precompute record's key, or an explicit directory), sink and window, and every
+    allocation setting."""
+    return fingerprint("allocate", cfg.train.targets or precompute_key(cfg), cfg.budget.sink, cfg.budget.window,
+                       cfg.allocate.resolved_mean_budget(cfg.budget), cfg.allocate.mode, cfg.allocate.query_stride,
+                       cfg.allocate.sequences, cfg.allocate.output_root)
+
+
 def train_key(cfg: PipelineConfig) -> str:
     """What names a training run: its targets (the precompute record's key, or an explicit directory), the budget,
     what is optimised, the seed, the config's name and the run's name and storage."""
@@ -96,8 +106,8 @@ def evaluate_key(cfg: PipelineConfig) -> str:
     return fingerprint("evaluate", cfg.eval.checkpoint or train_key(cfg), cfg.model, cfg.data, cfg.eval)
 
 
-KEYS: dict[str, Callable[[PipelineConfig], str]] = {"precompute": precompute_key, "train": train_key,
-                                                     "evaluate": evaluate_key}
+KEYS: dict[str, Callable[[PipelineConfig], str]] = {"precompute": precompute_key, "allocate": allocate_key,
+                                                     "train": train_key, "evaluate": evaluate_key}
 
 
 def key_for(cfg: PipelineConfig, stage: str) -> str:
