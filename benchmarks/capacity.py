@@ -375,6 +375,8 @@ def _emit(result, out, row):
 
 
 def main(argv=None):
+    from pipelines import ledger  # here, not at the top: transformers imports a module named `kernels` (this folder's)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     parser.add_argument("--out", default="")
@@ -392,6 +394,7 @@ def main(argv=None):
     parser.add_argument("--compile", action="store_true", help="torch.compile each layer's KVpop decoding step")
     parser.add_argument("--no-kernel-count", action="store_true", help="skip profiling one step per batch")
     parser.add_argument("--render", metavar="RESULT.json", help="print the tables of a result file and exit")
+    ledger.add_publish_arguments(parser)
     ns = parser.parse_args(argv)
     if ns.render:
         print(table(json.loads(Path(ns.render).read_text())))
@@ -413,6 +416,7 @@ def main(argv=None):
 
 def run(args, ns, device):
     import kvpop
+    from pipelines import ledger
 
     started = time.perf_counter()
     dtype = getattr(torch, args["dtype"])
@@ -456,6 +460,7 @@ def run(args, ns, device):
     if out:
         out.write_text(json.dumps(result, indent=2))
         out.with_suffix(".md").write_text(table(result) + "\n")
+        ledger.publish_file("capacity", out, result, ns)
     return result
 
 

@@ -192,6 +192,8 @@ def dense_graph_ms(model, dynamic_cache, step_ids, steps, device) -> float:
 
 
 def main(argv=None):
+    from pipelines import ledger  # here, not at the top: transformers imports a module named `kernels` (this folder's)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     parser.add_argument("--out", default="")
@@ -204,6 +206,7 @@ def main(argv=None):
     parser.add_argument("--isolate", action="store_true",
                         help="run each configuration in a fresh process: peak memory without earlier configurations' "
                              "leftovers (compile workspaces, allocator caches)")
+    ledger.add_publish_arguments(parser)
     args = parser.parse_args(argv)
     preset = dict(PRESETS[args.preset])
     for key in ("lengths", "batches", "steps"):
@@ -247,13 +250,18 @@ def main(argv=None):
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
-    return _finish(result, out)
+    return _finish(result, out, args)
 
 
-def _finish(result, out):
+def _finish(result, out, args):
+    from pipelines import ledger
+
     print(table(result))
     if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
         out.with_suffix(".md").write_text(table(result) + "\n")
+        ledger.publish_file("decode", out, result, args)
     return result
 
 
@@ -270,7 +278,7 @@ def _isolated(args, plan, result, out, started):
         with tempfile.TemporaryDirectory() as tmp:
             child = Path(tmp) / "row.json"
             cmd = [sys.executable, str(Path(__file__).resolve()), "--preset", args.preset, "--lengths", str(length),
-                   "--batches", str(batch), "--policies", policy, "--out", str(child)]
+                   "--batches", str(batch), "--policies", policy, "--out", str(child), "--no-publish"]
             cmd += (["--steps", str(args.steps)] if args.steps else []) + (["--no-compile"] if args.no_compile else [])
             proc = subprocess.run(cmd, capture_output=True, text=True)
             rows = json.loads(child.read_text())["rows"] if child.is_file() else []
@@ -283,7 +291,7 @@ def _isolated(args, plan, result, out, started):
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
     result["isolated"] = True
-    return _finish(result, out)
+    return _finish(result, out, args)
 
 
 def table(result) -> str:

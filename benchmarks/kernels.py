@@ -309,11 +309,14 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None):
+    from pipelines import ledger  # here, not at the top: transformers imports a module named `kernels` (this folder's)
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
     parser.add_argument("--out", default="")
     parser.add_argument("--only", nargs="*", default=["correctness", "targets", "train", "precompute"])
     parser.add_argument("--render", metavar="JSON", help="print (and write as .md) the tables of a result file")
+    ledger.add_publish_arguments(parser)
     args = parser.parse_args(argv)
     if args.render:
         result = json.loads(Path(args.render).read_text())
@@ -342,6 +345,8 @@ def main(argv=None):
             out.write_text(json.dumps(result, indent=2))
             out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
+    if out:
+        ledger.publish_file("kernels", out, result, args)
     return result
 
 

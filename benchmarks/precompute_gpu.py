@@ -97,6 +97,8 @@ def layer_shapes(model) -> tuple[int, int, int, int]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from pipelines import ledger  # here, not at the top: transformers imports a module named `kernels` (this folder's)
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="a plain HF folder, or 'smollm2' (the prepared folder)")
     parser.add_argument("--seq-len", type=int, default=8192)
@@ -110,8 +112,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ray", action="store_true", help="also run pipelines.precompute.run on a local Ray cluster")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ledger.add_publish_arguments(parser)
     args = parser.parse_args(argv)
 
+    from kvpop.files import weights_digest
     from kvpop.pretrained import load_pretrained
     from kvpop.targets import causal_attention_with_lse, future_attention_targets, teacher_pass
     from pipelines.models import smollm2_dir
@@ -206,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
     file.write_text(json.dumps(result, indent=2) + "\n")
     file.with_suffix(".md").write_text(markdown(result))
     print(f"[bench] wrote {file} and .md", flush=True)
+    ledger.publish_file("precompute", file, result, args, weights_digest=weights_digest(path))
     return result
 
 

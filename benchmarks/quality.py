@@ -129,6 +129,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pipelines import ledger  # here, not at the top: transformers imports a module named `kernels` (this folder's)
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(REPO / "configs" / "smollm2_quality.yaml"))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -136,11 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--crs", type=float, nargs="+", default=[0.75, 0.875])
     parser.add_argument("--tag", default="")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ledger.add_publish_arguments(parser)
     args = parser.parse_args(argv)
 
     import torch
 
     from benchmarks.naming import device_name, result_stem
+    from kvpop.files import weights_digest
     from pipelines.config import load_config
 
     base_cfg = load_config(args.config, args.set)
@@ -165,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=float))
     (out / f"{stem}.md").write_text(text)
     print(f"[quality] wrote {out / stem}.json and .md", flush=True)
+    ledger.publish_file("quality", out / f"{stem}.json", result, args,
+                        weights_digest=weights_digest(base_cfg.model.resolved_path()))
     return 0
 
 

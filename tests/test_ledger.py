@@ -1,0 +1,319 @@
+"""The results ledger (pipelines/ledger.py, jobs/results.py): validation, append-only, rendering, MLflow round trip,
+the legacy converters and the artifact check."""
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from jobs import results as cli
+from pipelines import ledger as L
+from pipelines.config import load_config
+
+FIXTURE = Path(__file__).parent / "data" / "ledger_fixture.jsonl"
+
+
+@pytest.fixture
+def ledger(tmp_path) -> Path:
+    path = tmp_path / "ledger.jsonl"
+    shutil.copy(FIXTURE, path)
+    return path
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("|---"):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ rendering
+def test_render_is_byte_identical_and_independent_of_line_order(ledger, tmp_path):
+    runs = L.read(ledger)
+    first = L.render(runs)
+    assert L.render(L.read(ledger)) == first
+    shuffled = runs[:]
+    random.Random(1).shuffle(shuffled)
+    assert L.render(shuffled) == first
+    out, readme = tmp_path / "RESULTS.md", tmp_path / "README.md"
+    readme.write_text("intro\n")
+    assert cli.main(["--ledger", str(ledger), "render", "--out", str(out), "--readme", str(readme)]) == 0
+    assert out.read_bytes() == first.encode()
+    assert cli.main(["--ledger", str(ledger), "render", "--out", str(out), "--readme", str(readme), "--check"]) == 0
+    out.write_text(first + "edited\n")
+    assert cli.main(["--ledger", str(ledger), "render", "--out", str(out), "--readme", str(readme), "--check"]) == 1
+    assert readme.read_text() == "intro\n"  # no markers: untouched
+
+
+def test_every_number_carries_a_run_id_and_commit(ledger):
+    runs = L.read(ledger)
+    text = L.render(runs)
+    ids = {r.run_id[:12] for r in runs}
+    commits = {r.commit[:10] for r in runs}
+    header_words = {"policy", "CR", "corpus", "row", "name", "sha256", "bytes"}
+    numbered = 0
+    for row in _table_rows(text):
+        if row[0] in header_words:
+            continue
+        bare = " ".join(re.sub(r"`[^`]*`", "", c) for c in row)  # numbers outside code spans
+        if re.search(r"\d", bare):
+            numbered += 1
+            cells = " ".join(row)
+            assert any(f"`{i}`" in cells for i in ids), row
+            assert any(f"`{c}`" in cells for c in commits), row
+    assert numbered >= 10
+    for run in runs:  # nothing measured is left out
+        for key, m in run.metrics.items():
+            if L.parse_cell(key) and L.parse_cell(key)[3] not in dict(L.LEADERBOARD_COLUMNS):
+                continue
+            assert L.fmt_metric(m) in text, (run.name, key)
+    assert f"`{L.NOTEBOOK_TAG}`" in text and "`" + "0" * 64 + "`" in text
+
+
+def test_readme_headline_block_is_refreshed_between_markers(ledger):
+    runs = L.read(ledger)
+    readme = f"# KVpop\n\nintro\n\n{L.HEADLINE_BEGIN}\nstale table\n{L.HEADLINE_END}\n\nrest\n"
+    new = L.refresh_readme(readme, runs)
+    assert "stale table" not in new and new.startswith("# KVpop\n\nintro\n\n") and new.endswith("\n\nrest\n")
+    assert "`6b1b48fd6f87`" in new and "0.9 [0.85, 0.94]" in new  # the headline run's row
+    assert "dms" not in new.split(L.HEADLINE_BEGIN)[1]  # other runs stay out of the headline
+    assert L.refresh_readme(new, runs) == new
+    assert L.refresh_readme("no markers\n", runs) == "no markers\n"
+
+
+# ------------------------------------------------------------------------------------------------ validation
+GOOD = json.loads(FIXTURE.read_text().splitlines()[0])
+
+
+def _with(**changes) -> str:
+    record = json.loads(json.dumps(GOOD))
+    for key, value in changes.items():
+        if value is KeyError:
+            record.pop(key)
+        else:
+            record[key] = value
+    return json.dumps(record)
+
+
+BAD_LINES = {
+    "not json": "{not json",
+    "missing key": _with(kind=KeyError),
+    "unknown key": _with(extra=1),
+    "kind": _with(kind="figure"),
+    "run id": _with(run_id="ABC"),
+    "name": _with(name="no-slash"),
+    "interval suffix key": _with(metrics={"champ/kvpop/cr0.875/kl.lo": {"value": 1.0}}),
+    "lo > hi": _with(metrics={"kl": {"value": 0.5, "lo": 0.6, "hi": 0.4}}),
+    "half interval": _with(metrics={"kl": {"value": 0.5, "lo": 0.4}}),
+    "nan": '{"run_id": "6b1b48fd6f874af28cdc5a7f4c910f6b", "name": "a/b", "kind": "study", "params": {}, '
+           '"metrics": {"kl": {"value": NaN}}, "tags": {"commit": "abcdef1", "produced_by": "x"}, "artifacts": []}',
+    "bool metric": _with(metrics={"kl": {"value": True}}),
+    "n": _with(metrics={"kl": {"value": 0.5, "n": 0}}),
+    "no commit": _with(tags={"produced_by": "x"}),
+    "bad commit": _with(tags={"commit": "HEAD", "produced_by": "x"}),
+    "param list": _with(params={"x": [1, 2]}),
+    "artifact sha": _with(artifacts=[{"name": "a", "path": "p", "sha256": "xyz", "size": 1}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LINES))
+def test_bad_lines_are_refused_with_their_line_number(tmp_path, case, capsys):
+    path = tmp_path / "ledger.jsonl"
+    path.write_text(FIXTURE.read_text().splitlines()[1] + "\n" + BAD_LINES[case] + "\n")
+    with pytest.raises(L.LedgerError, match=r"ledger\.jsonl:2: "):
+        L.read(path)
+    out = tmp_path / "RESULTS.md"
+    assert cli.main(["--ledger", str(path), "render", "--out", str(out), "--readme", str(tmp_path / "no")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvpop results: error: ") and not out.exists()
+
+
+def test_duplicate_ids_and_append_only(ledger):
+    lines = ledger.read_text().splitlines()
+    before = ledger.read_bytes()
+    runs = L.read(ledger)
+    with pytest.raises(L.LedgerError, match="already in the ledger"):
+        L.append([runs[0]], ledger)
+    new = L.make_run(L.ledger_id("new"), "study/x", "study", {}, {"m": 1.0}, {"commit": "abcdef1", "produced_by": "t"})
+    with pytest.raises(L.LedgerError, match="already in the ledger"):  # one clash refuses the whole batch
+        L.append([new, new], ledger)
+    assert ledger.read_bytes() == before
+    L.append([new], ledger)
+    assert ledger.read_bytes() == before + (new.to_line() + "\n").encode()
+    ledger.write_text("\n".join(lines + [lines[0]]) + "\n")
+    with pytest.raises(L.LedgerError, match=rf":{len(lines) + 1}: run_id .* already on line 1"):
+        L.read(ledger)
+
+
+# ------------------------------------------------------------------------------------------------ converters
+def _summary():
+    return {"metrics": [
+        {"part": "text", "metric": "kl", "B": 512, "CR": 0.875, "policy": "kvpop", "estimate": 0.04, "lo": 0.03,
+         "hi": 0.05, "n": 32},
+        {"part": "recall", "metric": "recall_exact", "B": 512, "CR": 0.875, "policy": "kvpop", "estimate": 0.5,
+         "lo": 0.25, "hi": 0.75, "n": 16},
+        {"part": "text", "metric": "kl", "B": 256, "CR": 0.9375, "policy": "streaming", "estimate": float("nan"),
+         "lo": None, "hi": None, "n": 32}],
+        "gap_closed": [{"part": "text", "metric": "kl", "B": 512, "CR": 0.875, "policy": "kvpop", "estimate": 0.9,
+                        "lo": 0.85, "hi": 0.94, "n": 32}],
+        "differences": []}
+
+
+def test_legacy_pipeline_and_recency_blend_results_convert():
+    extra = {"run_id": "6b1b48fd6f874af28cdc5a7f4c910f6b",
+             "config": {"model": {"dtype": "bfloat16", "files_sha256": "ab" * 32}, "heldout": {"count": 32,
+                                                                                             "seq_len": 4096}}}
+    (run,) = L.legacy_runs("benchmarks/results/pipeline_h200_smollm2_x/metrics.json", {"summary": _summary()},
+                           "abcdef1234", extra=extra)
+    assert (run.run_id, run.name, run.kind, run.commit) == (extra["run_id"], "evaluate/smollm2_x", "evaluation",
+                                                            "abcdef1234")
+    assert run.tags["weights_digest"] == "ab" * 32 and run.tags["device"] == "NVIDIA H200"
+    assert run.metrics == {"champ/kvpop/cr0.875/kl": L.Metric(0.04, 0.03, 0.05, 32),
+                           "recall/kvpop/cr0.875/recall_exact": L.Metric(0.5, 0.25, 0.75, 16),
+                           "champ/kvpop/cr0.875/kl.gap_closed": L.Metric(0.9, 0.85, 0.94, 32)}  # NaN left out
+    blend = {"budget": "s4-w128-k124",
+             "args": {"seq_len": 4096, "sources": ["champ", "/tmp/g/python_docs_deb12u8.jsonl"], "sequences": 2,
+                      "recency": [0.0025]},
+             "summary": {"champ": {"items": [1, 2], "kl": {"streaming": 0.2, "kvpop+0.0025@a0.0625": 0.1}},
+                         "/tmp/g/python_docs_deb12u8.jsonl": {"items": [1, 2], "top1": {"kvpop": 0.9}}},
+             "versus_references": {"champ": {"gap:kvpop+0.0025@a0.0625": {"mean": 0.7, "low": 0.6, "high": 0.8},
+                                             "gap:best-λ": {"mean": 1.0, "low": 1.0, "high": 1.0}}},
+             "recall": {"items": list(range(4)), "exact": {"dense": 1.0},
+                        "share:kvpop": {"mean": 0.5, "low": 0.25, "high": 0.75, "n": 4}}}
+    (study,) = L.legacy_runs("benchmarks/results/recency_blend_h200_x.json", blend, "abcdef1234")
+    assert study.kind == "study" and study.name == "recency_blend/h200_x"
+    assert study.run_id == L.ledger_id("benchmarks/results/recency_blend_h200_x.json", "recency_blend/h200_x",
+                                       "abcdef1234")
+    assert study.metrics == {  # B = 256 of S = 4096: CR 0.9375
+        "champ/streaming/cr0.9375/kl": L.Metric(0.2, n=2),
+        "champ/kvpop_r0.0025_a0.0625/cr0.9375/kl": L.Metric(0.1, n=2),
+        "python_docs/kvpop/cr0.9375/top1_agreement": L.Metric(0.9, n=2),
+        "champ/kvpop_r0.0025_a0.0625/cr0.9375/kl.gap_closed": L.Metric(0.7, 0.6, 0.8, 2),
+        "recall/dense/cr0.9375/recall_exact": L.Metric(1.0, n=4),
+        "recall/kvpop/cr0.9375/recall_exact.share_of_dense": L.Metric(0.5, 0.25, 0.75, 4)}
+    with pytest.raises(L.LedgerError, match="no converter"):
+        L.legacy_runs("benchmarks/results/gap_frontier_b256.json", {}, "abcdef1234")
+
+
+def test_benchmark_converters_keep_every_table_cell():
+    capacity = {"rows": [{"model": "m", "policy": "dense", "context": 8192, "batch": 3, "tokens_per_s": 1.0},
+                         {"model": "m", "policy": "dense", "context": 8192, "largest_batch": 35, "tokens_per_s": 436.5,
+                          "x_floor": 1.16, "prefill_s": None}]}
+    _, metrics = L.capacity_metrics(capacity)
+    assert metrics == {"m/ctx8192/dense/largest_batch": {"value": 35}, "m/ctx8192/dense/tokens_per_s":
+                       {"value": 436.5}, "m/ctx8192/dense/x_floor": {"value": 1.16}}
+    decode = {"rows": [{"policy": "kvpop", "context": 131072, "batch": 1, "graph_ms": 7.37, "cache_gib": 0.23}]}
+    assert L.decode_metrics(decode)[1] == {"kvpop/ctx131072/1/graph_ms": {"value": 7.37},
+                                           "kvpop/ctx131072/1/cache_gib": {"value": 0.23}}
+    kernels = {"targets": [{"S": 4096, "ratio": 0.9}], "correctness": [{"max_abs_err": 0.01}, {"max_abs_err": 0.02}]}
+    assert L.kernels_metrics(kernels)[1] == {"targets/S4096/ratio": {"value": 0.9},
+                                             "correctness/all/max_abs_err": {"value": 0.02}}
+    run = L.make_run(L.ledger_id("c"), "capacity/t", "benchmark", {}, metrics,
+                     {"commit": "abcdef1", "produced_by": "b"})
+    table = "\n".join(L._run_table(run))
+    assert "| `m/ctx8192/dense` | 35 | 436.5 | 1.16 |" in table
+
+
+# ------------------------------------------------------------------------------------------------ MLflow
+@pytest.mark.slow
+def test_import_export_round_trip_and_publish(ledger, tmp_path):
+    import mlflow
+
+    cfg = load_config(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"home={tmp_path}/home"])
+    runs = L.read(ledger)
+    assert [r.run_id for r in L.import_runs(runs, cfg)] == [r.run_id for r in runs]
+    assert L.import_runs(runs, cfg) == []  # idempotent
+    assert L.export_runs(cfg, {r.run_id for r in runs}) == []  # all known: nothing new
+    back = {r.run_id: r for r in L.export_runs(cfg, set())}
+    assert {i: r.to_dict() for i, r in back.items()} == {r.run_id: r.to_dict() for r in runs}
+    assert L.render(list(back.values())) == L.render(runs)
+
+    client = mlflow.MlflowClient(cfg.tracking_uri())  # a run the evaluation stage logged: picked up by export
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    native = client.create_run(experiment, run_name="evaluate-abc",
+                               tags={"kvpop.stage": "evaluate", "kvpop.config": "smollm2_scorer_wide_kernel",
+                                     "mlflow.source.git.commit": "abcdef1234"})
+    client.log_param(native.info.run_id, "data.seq_len", "4096")
+    client.log_param(native.info.run_id, "data.source", "champ")
+    for key, value in {"kvpop.B512.kl": 0.04, "kvpop.B512.kl.lo": 0.03, "kvpop.B512.kl.hi": 0.05,
+                       "kvpop.B512.recall_exact": 0.5, "seconds.text": 12.0}.items():
+        client.log_metric(native.info.run_id, key, value)
+    client.set_terminated(native.info.run_id)
+    (new,) = L.export_runs(cfg, {r.run_id for r in runs})
+    assert (new.run_id, new.name, new.kind, new.commit) == (native.info.run_id, "evaluate/smollm2_scorer_wide_kernel",
+                                                            "evaluation", "abcdef1234")
+    assert new.tags["config"] == "smollm2_scorer_wide_kernel"
+    assert new.metrics == {"champ/kvpop/cr0.875/kl": L.Metric(0.04, 0.03, 0.05),
+                           "recall/kvpop/cr0.875/recall_exact": L.Metric(0.5), "seconds.text": L.Metric(12.0)}
+
+    result = tmp_path / "capacity_t.json"
+    result.write_text("{}")
+    published = L.publish("capacity/t", "benchmark", {"steps": 3}, {"m/ctx8/dense/tokens_per_s": 5.0},
+                          {"commit": "abcdef1", "produced_by": "benchmarks/capacity.py"}, [result], ledger=ledger,
+                          tracking_uri=cfg.tracking_uri())
+    assert L.read(ledger)[-1] == published
+    logged = client.get_run(published.run_id)
+    assert logged.data.metrics["m/ctx8/dense/tokens_per_s"] == 5.0 and logged.data.tags["kvpop.commit"] == "abcdef1"
+    assert [f.path for f in client.list_artifacts(published.run_id, "result")] == ["result/capacity_t.json"]
+
+
+# ------------------------------------------------------------------------------------------------ artifacts
+def _tarball(path: Path) -> None:
+    with tarfile.open(path, "w:gz") as archive:
+        data = b"scorer weights"
+        info = tarfile.TarInfo("final_model/kvpop.json")
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+
+
+def test_artifact_is_checked_and_unpacked(tmp_path):
+    root = tmp_path / "repo"
+    (root / "results" / "artifacts").mkdir(parents=True)
+    tgz = root / "results" / "artifacts" / "scorer.tgz"
+    _tarball(tgz)
+    entry = L.artifact_entry("scorer.tgz", tgz, root)
+    ledger = root / "results" / "ledger.jsonl"
+    L.append([L.make_run(L.ledger_id("a"), "train/x", "training", {}, {}, {"commit": "abcdef1", "produced_by": "t"},
+                         [entry])], ledger)
+    folder = L.artifact("scorer.tgz", ledger, tmp_path / "cache", root)
+    assert (folder / "final_model" / "kvpop.json").read_bytes() == b"scorer weights"
+    assert L.artifact("scorer.tgz", ledger, tmp_path / "cache", root) == folder
+    data = bytearray(tgz.read_bytes())
+    data[-1] ^= 1
+    tgz.write_bytes(bytes(data))
+    with pytest.raises(L.LedgerError, match="sha256 .* is not the ledger's"):
+        L.artifact("scorer.tgz", ledger, tmp_path / "cache2", root)
+    assert not (tmp_path / "cache2").exists()
+    with pytest.raises(L.LedgerError, match="not in the ledger"):
+        L.artifact("other.tgz", ledger, tmp_path / "cache", root)
+
+
+def test_committed_results_md_is_what_the_committed_ledger_renders():
+    """RESULTS.md (and README.md's headline block) are rendered copies: after a ledger change run
+    ``python -m jobs.results render``."""
+    assert cli.main(["render", "--check"]) == 0
+    runs = L.read(L.LEDGER)
+    assert all(a.path.startswith("results/artifacts/") for r in runs for a in r.artifacts)
+    assert sum(a.size for r in runs for a in r.artifacts) < 15 * 2**20
+
+
+def test_publish_without_mlflow_writes_the_ledger_line_alone(tmp_path, monkeypatch):
+    """A bare GPU machine (no MLflow, no .git): the line travels back in git; provenance from $KVPOP_COMMIT."""
+    monkeypatch.setitem(__import__("sys").modules, "mlflow", None)  # `import mlflow` raises ImportError
+    monkeypatch.setenv("KVPOP_COMMIT", "abcdef1234")
+    ledger = tmp_path / "ledger.jsonl"
+    result = {"device": "NVIDIA H100", "dtype": "bfloat16",
+              "rows": [{"policy": "kvpop", "context": 8192, "batch": 1, "graph_ms": 7.4}]}
+    run = L.publish_result("decode", "h100_run1", result, config={"preset": "h200"}, ledger=ledger)
+    assert L.read(ledger) == [run]
+    assert (run.name, run.kind, run.commit, run.tags["device"], run.tags["dtype"]) == (
+        "decode/h100_run1", "benchmark", "abcdef1234", "NVIDIA H100", "bfloat16")
+    assert run.tags["config_hash"] == L.fingerprint({"preset": "h200"})
+    assert run.metrics == {"kvpop/ctx8192/1/graph_ms": L.Metric(7.4)}
