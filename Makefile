@@ -1,4 +1,4 @@
-# KVpop: `make run` and `make test` are the two entry points (README "Set up").
+# KVpop: `make run` and `make test` are the two entry points (README "Install").
 SHELL := /bin/bash
 .SHELLFLAGS := -euo pipefail -c
 

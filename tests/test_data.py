@@ -187,8 +187,9 @@ def test_an_unset_mix_keeps_every_key_of_an_existing_config(tmp_path, corpus, to
     assert fingerprint(d) == fingerprint(without)
     # the keys (and so the output paths) recorded before the mix existed, of the default and a GPU preset
     for preset, keys in [(None, ("d542729fc5eab609", "88b77ff0c28d9e54", "b9fe1770e582e013")),
-                         ("smollm2_scorer_norms.yaml", ("63c59da8cffcb1a3", "792bc93dfeb74515", "10bda3d0572738c4"))]:
-        old = load_config(preset and REPO_ROOT / "configs" / preset, ["home=/tmp/h", "model.path=/nowhere/teacher"])
+                         (REPO_ROOT / "tests" / "fixtures" / "gpu_preset_before_mix.yaml",
+                          ("63c59da8cffcb1a3", "792bc93dfeb74515", "10bda3d0572738c4"))]:
+        old = load_config(preset, ["home=/tmp/h", "model.path=/nowhere/teacher"])
         assert (records.precompute_key(old), records.train_key(old), records.evaluate_key(old)) == keys, preset
 
 

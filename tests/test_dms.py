@@ -365,7 +365,7 @@ def test_streaming_plus_trains_the_base_under_its_mask(tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# GPU (benchmarks/h200_session.sh part gputests)
+# GPU (tools/gpu/session.sh part gputests)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a GPU")

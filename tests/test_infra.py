@@ -259,8 +259,8 @@ def _commands(node: dict) -> str:
 
 def test_the_uploaded_working_dir_stays_far_under_rays_request_limit():
     """``ray job submit --working-dir . --runtime-env infra/runtime_env.yaml`` zips what Ray's own walk keeps (its
-    excludes and .gitignore) and the job server refuses a body over 100 MiB (HTTP 413: benchmarks/results/ alone
-    passed it in the eighteenth session). The files it keeps, uncompressed, stay under Ray's size warning (half its
+    excludes and .gitignore) and the job server refuses a body over 100 MiB (HTTP 413: a results folder in the tree
+    once passed it). The files it keeps, uncompressed, stay under Ray's size warning (half its
     limit)."""
     from ray._private.runtime_env.packaging import PACKAGE_SIZE_WARNING, _dir_travel, _get_excludes
 

@@ -16,6 +16,28 @@ def test_the_expected_presets_exist():
     assert {"default.yaml", "smollm2.yaml", "qwen3-4b.yaml", "qwen3-8b.yaml"} <= {p.name for p in PRESETS}
 
 
+# the two halves of the wide recipe, replaced by configs/recipes/smollm2_kvpop.yaml (remove this line with them)
+SUPERSEDED = {"smollm2_scorer_wide.yaml", "smollm2_scorer_wide_kernel.yaml"}
+
+
+def _header(path: Path) -> list[str]:
+    lines = path.read_text().splitlines()
+    return lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))]
+
+
+def test_presets_are_few_and_their_headers_short():
+    """At most 8 presets (recipes included); each header — what you get, what it needs, the command, the RESULTS.md
+    row it reproduces — at most 6 lines, and it names that row or says there is none."""
+    presets = [p for p in sorted((REPO_ROOT / "configs").rglob("*.yaml")) if p.name not in SUPERSEDED]
+    assert len(presets) <= 8, [p.name for p in presets]
+    for path in presets:
+        header = _header(path)
+        assert 1 <= len(header) <= 6, f"{path.name}: {len(header)} header lines"
+    for path in presets:
+        if path.name != "default.yaml":  # the embedded default (`make run`): a demonstration, no RESULTS.md row
+            assert "RESULTS.md" in "\n".join(_header(path)), f"{path.name}: the header names no RESULTS.md row"
+
+
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.name)
 def test_every_preset_loads_and_validates(path):
     cfg = load_config(path)

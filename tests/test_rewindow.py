@@ -74,14 +74,3 @@ def test_refusals_are_one_line(tmp_path):
     (tmp_path / "noweights" / "kvpop.json").write_text((saved / "kvpop.json").read_text())
     with pytest.raises(ValueError, match="missing"):
         rewindow_scorer_folder(tmp_path / "noweights", tmp_path / "w2", Budget(1, 3, 5))
-
-
-def test_the_cli_writes_and_refuses_in_one_line(tmp_path, capsys):
-    from benchmarks.rewindow_scorer import main
-
-    saved, _ = _saved(tmp_path)
-    assert main([str(saved), str(tmp_path / "w"), "--sink", "1", "--window", "3", "--topk", "5"]) == 0
-    capsys.readouterr()
-    assert main([str(saved), str(tmp_path / "w"), "--sink", "1", "--window", "3", "--topk", "5"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("rewindow_scorer: ") and "\n" not in err

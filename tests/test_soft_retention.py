@@ -6,7 +6,6 @@ Held to independent references: the cutoffs to a per-query sort of the eligible 
 ``tau -> 0`` to the hard rule — attention and a whole retrofitted model's logits alike.
 """
 import copy
-import json
 
 import pytest
 import torch
@@ -285,12 +284,3 @@ def test_cuda_compiled_soft_attention_equals_the_chunked_one():
     grad, = torch.autograd.grad((out * weights).sum(), ranked)
     expected, = torch.autograd.grad((ref * weights).sum(), ranked)
     assert (grad - expected).abs().max() <= 0.05 * expected.abs().max()
-
-
-def test_a_learning_curves_study_records_its_kl_options():
-    """Study settings: a study saved before ``--kl-options`` ran without the term."""
-    from benchmarks import learning_curves as curves
-
-    assert "kl_options" in curves.STUDY_ARGS and curves.SAVED_BEFORE["kl_options"] == {}
-    args = curves.parse_args(["--kl-options", json.dumps({"weight": 1, "tau": 0.5})])
-    assert curves.study_settings(args, "sha", 10)["kl_options"] == {"weight": 1, "tau": 0.5}

@@ -298,7 +298,7 @@ def test_the_workers_must_leave_ray_data_a_cpu(monkeypatch):
 
 
 def test_the_configs_extra_topks_reach_the_workers_objective(tiny_targets, tmp_path):
-    """``train.extra_topks`` (configs/smollm2_scorer_norms.yaml's ``[124, 508]``) is in the objective the workers
+    """``train.extra_topks`` (e.g. ``[124, 508]``: the boundary loss at more budgets) is in the objective the workers
     train with, and names the run apart from the same config without it."""
     cfg, result = tiny_targets
     multi = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, extra_topks=(3, 12)))
@@ -309,7 +309,7 @@ def test_the_configs_extra_topks_reach_the_workers_objective(tiny_targets, tmp_p
 
 
 def test_the_configs_scorer_options_reach_the_trained_student(tiny_targets, tmp_path):
-    """``train.scorer_options`` (e.g. configs/smollm2_scorer_norms.yaml's ``features: kv_norms``) is what the workers
+    """``train.scorer_options`` (e.g. ``features: kv_norms``) is what the workers
     retrofit the student with."""
     cfg, result = tiny_targets
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, scorer_options={"features": "kv_norms"}))

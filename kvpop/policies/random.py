@@ -1,4 +1,4 @@
-"""Random static priorities: the floor any learned scorer must clear (benchmarks/results quote it for SmolLM2)."""
+"""Random static priorities: the floor any learned scorer must clear (the evaluation reports it next to the others)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

