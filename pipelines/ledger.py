@@ -14,7 +14,8 @@ line themselves (:func:`publish_file`); the evaluation stage logs to MLflow only
 
     run_id     the MLflow run id where the run was logged to MLflow, else a ledger id (32 hex digits: a legacy result's
                is the sha256 of "<source path>@<name>@<commit>", a run logged without MLflow gets a random one)
-    name       "<producer>/<tag>": evaluate/smollm2_scorer_wide_kernel, capacity/h200, recency_blend/h200_w256_…
+    name       "<producer>/<tag>": evaluate/smollm2_scorer_wide_kernel, capacity/h200, recency_blend/h200_w256_…,
+               learning_curves/h200_qp16 (a study's final checkpoint), compare_studies/… (a paired comparison)
     kind       evaluation | benchmark | training | study (a figure a one-off study script produced is a study)
     params     {name: str | int | float | bool | null}
     metrics    {key: {"value": v, "lo": l, "hi": h, "n": n}}: lo/hi the 95 % interval where one exists, n the items
@@ -478,6 +479,112 @@ def quality_metrics(result: dict) -> tuple[dict, dict]:
     return params, metrics
 
 
+def _final_point(points: list[dict]) -> dict:
+    """A learning-curves study's last checkpoint (the most training tokens; the later one on a tie)."""
+    if not points:
+        raise LedgerError("learning curves: the study has no checkpoint")
+    return max(enumerate(points), key=lambda ip: (ip[1].get("tokens") or 0, ip[0]))[1]
+
+
+def _study_summary_metrics(summary: dict, corpus: str) -> dict:
+    """A learning-curves summary (the evaluation's shape plus paired ``differences``) as leaderboard cells: the
+    evaluation's metrics and gap closed (:func:`eval_summary_metrics`), and each paired difference as
+    ``<metric>.minus_<baseline>`` (``minus_best_heuristic``: the best of streaming / TOVA / H2O per metric)."""
+    out = eval_summary_metrics(summary, corpus)
+    for d in summary.get("differences") or []:
+        where = {"recall": "recall", "generation": "generation"}.get(d.get("part"), corpus)
+        m = _interval(d)
+        if m["value"] is not None and math.isfinite(m["value"]):
+            out[cell(where, d["policy"], d["CR"], f"{d['metric']}.minus_{_slug(d['vs'])}")] = m
+    return out
+
+
+def learning_curves_metrics(result: dict) -> tuple[dict, dict]:
+    """``benchmarks/learning_curves.py`` (now ``research/``): one scorer trained and evaluated at growing token
+    counts. Kept: the final checkpoint only — its summary on every corpus (KVpop's metrics, gap closed and paired
+    differences, with intervals), the reference policies' summaries (streaming, TOVA, H2O, oracle, dense: measured
+    once), the held-out keep/evict diagnostics at each budget, and the training the checkpoint had (tokens, steps,
+    epochs, seconds). Per-item records and earlier checkpoints are not kept."""
+    meta = result.get("meta") or {}
+    args = meta.get("args") or ((meta.get("sessions") or [{}])[-1].get("args") or {})
+    corpus = _corpus_name(str(args.get("source") or "champ"))
+    point = _final_point(result.get("points") or [])
+    metrics = _study_summary_metrics(point.get("summary") or {}, corpus)
+    for source, part in (point.get("corpora") or {}).items():
+        metrics.update(_study_summary_metrics(part.get("summary") or {}, _corpus_name(source)))
+    references = result.get("references") or {}
+    metrics.update({k: v for k, v in _study_summary_metrics(references.get("summary") or {}, corpus).items()
+                    if ".minus_" not in k})  # the references' differences among themselves: not the study's
+    for source, part in (references.get("corpora") or {}).items():
+        metrics.update({k: v for k, v in _study_summary_metrics(part.get("summary") or {}, _corpus_name(source))
+                        .items() if ".minus_" not in k})
+    diagnostics = point.get("diagnostics") or {}
+    for policy, value in (diagnostics.get("spearman") or {}).items():
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            metrics[f"diagnostics/spearman/{_slug(policy)}"] = {"value": value}
+    for budget, policies in (diagnostics.get("budgets") or {}).items():
+        for policy, stats in policies.items():
+            for stat, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    metrics[f"diagnostics/{_slug(budget)}/{_slug(policy)}/{stat}"] = {"value": value}
+    for key in ("tokens", "step", "epochs", "train_s"):
+        if isinstance(point.get(key), (int, float)):
+            metrics[f"training/{key}"] = {"value": point[key]}
+    params = {"budget": meta.get("train_budget") or (f"s{args.get('sink')}-w{args.get('window')}-k{args.get('topk')}"
+                                                     if args.get("window") is not None else None),
+              "source": corpus, "seq_len": args.get("seq_len"), "scorer": args.get("scorer"),
+              "features": args.get("features"), "query_power": args.get("query_power"),
+              "recency": args.get("recency"), "lr": args.get("lr"), "batch": args.get("batch"),
+              "train_sequences": args.get("train_sequences"), "eval_sequences": args.get("eval_sequences"),
+              "eval_sources": json.dumps([_corpus_name(s) for s in args.get("eval_sources") or []]),
+              "recall_tasks": json.dumps(args.get("recall_tasks")), "model": args.get("model")}
+    return params, metrics
+
+
+_COMPARE_METRICS = {"KL": "kl", "kl": "kl", "top-1": "top1_agreement", "top1": "top1_agreement",
+                    "recall exact": "recall_exact", "exact": "recall_exact", "gold logp": "recall_gold_logprob",
+                    "logprob": "recall_gold_logprob"}
+
+
+def _compare_rows_metrics(rows: Iterable[dict], default_B=None) -> dict:
+    """A comparison's rows (the baseline's mean, the candidate's, their paired difference with its interval) as
+    ``<corpus>[/<rule>]/B<B>/<metric>/{baseline,candidate,difference}`` metrics (a cell of the run's own table)."""
+    out = {}
+    for row in rows:
+        corpus = _corpus_name(str(row["corpus"])) if not str(row["corpus"]).startswith("recall ") else \
+            "recall_" + _slug(str(row["corpus"])[len("recall "):])
+        name = _COMPARE_METRICS.get(row.get("metric"), _COMPARE_METRICS.get(row.get("label"), _slug(row["metric"])))
+        path = "/".join(p for p in (corpus, _rule_name(row["rule"]) if row.get("rule") else None,
+                                    f"B{row.get('B', default_B)}", name) if p)
+        n = row.get("n")
+        for side in ("baseline", "candidate"):
+            if isinstance(row.get(side), (int, float)):
+                out[f"{path}/{side}"] = {"value": row[side], "n": n}
+        out[f"{path}/difference"] = _interval(row["difference"], n)
+    return {k: v for k, v in out.items() if v["value"] is not None and math.isfinite(v["value"])}
+
+
+def compare_studies_metrics(result: dict) -> tuple[dict, dict]:
+    """``benchmarks/compare_studies.py`` (now ``research/``): two learning-curves studies' scorers on the same
+    held-out items, the candidate minus the baseline, paired per item — per corpus, budget and metric the two means
+    and the difference with its interval; the token count of each side's checkpoint."""
+    metrics = _compare_rows_metrics(result["rows"])
+    for side in ("baseline", "candidate"):
+        if isinstance((result.get(side) or {}).get("tokens"), (int, float)):
+            metrics[f"{side}/tokens"] = {"value": result[side]["tokens"]}
+    params = {f"{side}{suffix}": (result.get(side) or {}).get(key) for side in ("baseline", "candidate")
+              for suffix, key in (("", "path"), ("_label", "label"))}
+    return params, metrics
+
+
+def compare_blends_metrics(result: dict) -> tuple[dict, dict]:
+    """``benchmarks/compare_blends.py`` (now ``research/``): two scorers' recency-blend records on the same
+    sequences, per corpus and rule (and recall task) the two means and the paired difference with its interval."""
+    metrics = _compare_rows_metrics(list(result["rows"]) + list(result.get("recall") or []), result.get("B"))
+    params = {"baseline": result.get("baseline"), "candidate": result.get("candidate"), "B": result.get("B"),
+              "aliases": json.dumps(result.get("aliases") or {})}
+    return params, metrics
+
 # ------------------------------------------------------------------------------------------------ legacy results
 def _file_commit(path: str, at: str, root: Path = ROOT) -> str:
     out = subprocess.run(["git", "-C", str(root), "log", "--diff-filter=A", "--format=%H", at, "--", path],
@@ -538,6 +645,16 @@ def legacy_runs(path: str, result: dict, commit: str, *, extra: dict | None = No
     if producer == "recency" and tag.startswith("blend_"):
         params, metrics = recency_blend_metrics(result)
         return [one(f"recency_blend/{tag[len('blend_'):]}", "study", "benchmarks/recency_blend.py", params, metrics)]
+    if producer == "learning" and tag.startswith("curves_"):
+        params, metrics = learning_curves_metrics(result)
+        sessions = (result.get("meta") or {}).get("sessions") or [{}]
+        device = {"device": str(sessions[-1]["device"])} if sessions[-1].get("device") else {}
+        return [one(f"learning_curves/{tag[len('curves_'):]}", "study", "benchmarks/learning_curves.py", params,
+                    metrics, tags=device)]
+    if producer == "compare":  # two scripts wrote compare_<tag>.json; their formats tell them apart
+        script = "compare_studies" if isinstance(result.get("baseline"), dict) else "compare_blends"
+        params, metrics = (compare_studies_metrics if script == "compare_studies" else compare_blends_metrics)(result)
+        return [one(f"{script}/{tag}", "study", f"benchmarks/{script}.py", params, metrics)]
     if producer == "baselines":
         runs = []
         entries = result.get("results")

@@ -202,6 +202,91 @@ def test_legacy_pipeline_and_recency_blend_results_convert():
         L.legacy_runs("benchmarks/results/gap_frontier_b256.json", {}, "abcdef1234")
 
 
+def _lc_summary(kl, lo, hi, n, *, policy="kvpop", differences=()):
+    return {"metrics": [{"part": "text", "metric": "kl", "B": 512, "CR": 0.875, "policy": policy, "estimate": kl,
+                         "lo": lo, "hi": hi, "n": n}],
+            "differences": list(differences), "gap_closed": [], "cells": [], "sentences": []}
+
+
+def test_learning_curves_keep_the_final_checkpoint_summary_and_token_count():
+    """Two checkpoints, given out of order: only the one with the most tokens is kept, with its intervals, its paired
+    differences, its other corpora, its diagnostics and its training; the references once; no per-item record."""
+    diff = {"part": "text", "metric": "top1_agreement", "B": 512, "CR": 0.875, "policy": "kvpop", "vs": "streaming",
+            "estimate": -0.0088, "lo": -0.0135, "hi": -0.0043, "n": 32, "sd": 0.01, "resolved": True}
+    ref_diff = dict(diff, policy="oracle")
+    final = {"step": 943, "tokens": 15450112, "epochs": 0.737, "train_s": 243.8, "records": [{"kl": 9.0}] * 3,
+             "summary": _lc_summary(0.10, 0.09, 0.11, 32, differences=[diff]),
+             "corpora": {"/tmp/gpu/python_docs_deb12u8.jsonl": {"records": [], "summary": _lc_summary(
+                 0.2, 0.15, 0.25, 16)}},
+             "diagnostics": {"spearman": {"scorer": 0.67}, "budgets": {"s4-w128-k380": {"scorer": {
+                 "auc": 0.91, "balanced_accuracy_per_layer": [0.8, 0.7]}}}}}
+    early = {"step": 62, "tokens": 1015808, "summary": _lc_summary(0.3, 0.2, 0.4, 32), "records": []}
+    study = {"meta": {"sessions": [{"device": "NVIDIA H200", "args": {"source": "champ", "seq_len": 4096,
+                                                                         "sink": 4, "window": 128, "topk": 380}}]},
+             "references": {"records": [], "summary": _lc_summary(0.15, 0.13, 0.16, 32, policy="streaming",
+                                                                   differences=[ref_diff])},
+             "points": [final, early]}
+    path = "benchmarks/results/learning_curves_h200_qp16.json"
+    (run,) = L.legacy_runs(path, study, "abcdef1234")
+    assert (run.name, run.kind, run.commit, run.tags["produced_by"], run.tags["device"]) == (
+        "learning_curves/h200_qp16", "study", "abcdef1234", "benchmarks/learning_curves.py", "NVIDIA H200")
+    assert run.run_id == L.ledger_id(path, "learning_curves/h200_qp16", "abcdef1234")
+    assert run.params["budget"] == "s4-w128-k380"
+    assert run.metrics == {
+        "champ/kvpop/cr0.875/kl": L.Metric(0.10, 0.09, 0.11, 32),
+        "champ/kvpop/cr0.875/top1_agreement.minus_streaming": L.Metric(-0.0088, -0.0135, -0.0043, 32),
+        "python_docs/kvpop/cr0.875/kl": L.Metric(0.2, 0.15, 0.25, 16),
+        "champ/streaming/cr0.875/kl": L.Metric(0.15, 0.13, 0.16, 32),  # the reference's own difference left out
+        "diagnostics/spearman/scorer": L.Metric(0.67),
+        "diagnostics/s4-w128-k380/scorer/auc": L.Metric(0.91),  # a per-layer list is not a summary
+        "training/tokens": L.Metric(15450112), "training/step": L.Metric(943), "training/epochs": L.Metric(0.737),
+        "training/train_s": L.Metric(243.8)}
+    with pytest.raises(L.LedgerError, match="no checkpoint"):
+        L.legacy_runs(path, dict(study, points=[]), "abcdef1234")
+
+
+def test_compare_results_convert_under_the_script_that_wrote_them():
+    """compare_studies (sides are studies with their token counts) and compare_blends (sides are records files,
+    rows per rule, recall rows per task) both wrote compare_<tag>.json: each becomes a run of its own script."""
+    studies = {"tag": "x", "baseline": {"path": "a.json", "tokens": 11010048, "label": "plain"},
+               "candidate": {"path": "b.json", "tokens": 11010048, "label": "prior"},
+               "rows": [{"corpus": "champ", "budget": "s4-w256-k252", "B": 512, "metric": "KL", "n": 64,
+                         "baseline": 0.0716, "candidate": 0.0801,
+                         "difference": {"estimate": 0.0085, "lo": 0.0072, "hi": 0.0099, "n": 64, "sd": 0.005},
+                         "verdict": "candidate worse"},
+                        {"corpus": "/tmp/gpu/python_docs.jsonl", "budget": "s4-w256-k252", "B": 512,
+                         "metric": "gold logp", "n": 16, "baseline": -0.87, "candidate": -18.8,
+                         "difference": {"estimate": -17.9, "lo": -19.0, "hi": -16.8, "n": 16}}]}
+    (run,) = L.legacy_runs("benchmarks/results/compare_h200_x.json", studies, "abcdef1234")
+    assert (run.name, run.kind, run.tags["produced_by"]) == ("compare_studies/h200_x", "study",
+                                                             "benchmarks/compare_studies.py")
+    assert run.params["baseline"] == "a.json" and run.params["candidate_label"] == "prior"
+    assert run.metrics == {
+        "champ/B512/kl/baseline": L.Metric(0.0716, n=64), "champ/B512/kl/candidate": L.Metric(0.0801, n=64),
+        "champ/B512/kl/difference": L.Metric(0.0085, 0.0072, 0.0099, 64),
+        "python_docs/B512/recall_gold_logprob/baseline": L.Metric(-0.87, n=16),
+        "python_docs/B512/recall_gold_logprob/candidate": L.Metric(-18.8, n=16),
+        "python_docs/B512/recall_gold_logprob/difference": L.Metric(-17.9, -19.0, -16.8, 16),
+        "baseline/tokens": L.Metric(11010048), "candidate/tokens": L.Metric(11010048)}
+    blends = {"baseline": "r_a_items.jsonl", "candidate": "r_b_items.jsonl", "B": 512, "aliases": {},
+              "rows": [{"corpus": "stdlib", "rule": "kvpop+0.0025", "metric": "top1", "label": "top-1", "n": 32,
+                        "baseline": 0.9, "candidate": 0.88,
+                        "difference": {"mean": -0.02, "low": -0.03, "high": -0.01, "n": 32}}],
+              "recall": [{"corpus": "recall niah_single", "rule": "kvpop", "metric": "exact", "n": 16,
+                          "baseline": 0.75, "candidate": 0.5,
+                          "difference": {"mean": -0.25, "low": -0.5, "high": 0.0, "n": 16}}]}
+    (run,) = L.legacy_runs("benchmarks/results/compare_h200_y.json", blends, "abcdef1234")
+    assert (run.name, run.tags["produced_by"]) == ("compare_blends/h200_y", "benchmarks/compare_blends.py")
+    assert run.metrics == {
+        "stdlib/kvpop_r0.0025/B512/top1_agreement/baseline": L.Metric(0.9, n=32),
+        "stdlib/kvpop_r0.0025/B512/top1_agreement/candidate": L.Metric(0.88, n=32),
+        "stdlib/kvpop_r0.0025/B512/top1_agreement/difference": L.Metric(-0.02, -0.03, -0.01, 32),
+        "recall_niah_single/kvpop/B512/recall_exact/baseline": L.Metric(0.75, n=16),
+        "recall_niah_single/kvpop/B512/recall_exact/candidate": L.Metric(0.5, n=16),
+        "recall_niah_single/kvpop/B512/recall_exact/difference": L.Metric(-0.25, -0.5, 0.0, 16)}
+    table = "\n".join(L._run_table(run))  # rows × (baseline, candidate, difference) in RESULTS.md
+    assert "| `stdlib/kvpop_r0.0025/B512/top1_agreement` | 0.9 | 0.88 | -0.02 [-0.03, -0.01] |" in table
+
 def test_benchmark_converters_keep_every_table_cell():
     capacity = {"rows": [{"model": "m", "policy": "dense", "context": 8192, "batch": 3, "tokens_per_s": 1.0},
                          {"model": "m", "policy": "dense", "context": 8192, "largest_batch": 35, "tokens_per_s": 436.5,
@@ -317,3 +402,101 @@ def test_publish_without_mlflow_writes_the_ledger_line_alone(tmp_path, monkeypat
         "decode/h100_run1", "benchmark", "abcdef1234", "NVIDIA H100", "bfloat16")
     assert run.tags["config_hash"] == L.fingerprint({"preset": "h200"})
     assert run.metrics == {"kvpop/ctx8192/1/graph_ms": L.Metric(7.4)}
+
+
+# ------------------------------------------------------------------------------------------------ citations
+# Nothing is lost, every number has a run: the manual's pages cite ledger rows by name, `<producer>/<tag>`, and a
+# decision page's quoted figures are those rows' metrics.
+_CITED = re.compile(r"`([a-z0-9_]+/[A-Za-z0-9_.\-]+)`")
+_NOT_A_NAME = (".py", ".md", ".yaml", ".yml", ".json", ".jsonl", ".tgz", ".sh", ".txt", ".toml")
+# The producers of the ledger, and the prefixes of the result files it was converted from (a page citing one of
+# those by file stem, `compare/…`, cites a name that is not the ledger's).
+_PRODUCERS = {"evaluate", "baselines", "recency_blend", "learning_curves", "compare", "compare_studies",
+              "compare_blends", "train", "capacity", "decode", "kernels", "precompute", "quality"}
+_NUMBER = r"[−+-]?\d+(?:\.\d+)?"
+_INTERVAL = re.compile(rf"({_NUMBER}) \[({_NUMBER}), ({_NUMBER})\]")
+_RUN = re.compile(r"\brun ([0-9a-f]{8,32})\b")
+
+
+def _cited_names(text: str, producers: set[str]) -> set[str]:
+    return {m for m in _CITED.findall(text) if m.split("/")[0] in producers and not m.endswith(_NOT_A_NAME)}
+
+
+def _citing_files() -> list[Path]:
+    root = L.ROOT
+    return sorted({root / "README.md", *root.glob("docs/**/*.md"), *root.glob("configs/**/*.yaml")})
+
+
+def _number(text: str) -> tuple[float, int]:
+    """A quoted number and its decimals (the rounding shown)."""
+    text = text.replace("−", "-")
+    return float(text), len(text.split(".")[1]) if "." in text else 0
+
+
+def _shown_as(value: float, quoted: tuple[float, int]) -> bool:
+    number, decimals = quoted
+    return abs(value - number) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def _quoted_figures(text: str) -> tuple[list[tuple], list[tuple]]:
+    """A page's intervals ``v [lo, hi]`` and the bare numbers of its tables (a decimal, or a token count ``15.45M``)."""
+    intervals = [tuple(_number(x) for x in m.groups()) for m in _INTERVAL.finditer(text)]
+    bare = []
+    for line in text.splitlines():
+        if line.startswith("|") and not line.startswith("|---"):
+            for c in (c.strip() for c in line.strip("|").split("|")):
+                if re.fullmatch(rf"{_NUMBER}M", c):
+                    value, decimals = _number(c[:-1])
+                    bare.append((value * 1e6, decimals - 6))
+                elif re.fullmatch(r"[−+-]?\d+\.\d+", c):
+                    bare.append(_number(c))
+    return intervals, bare
+
+
+def test_quoted_figures_are_checked_to_the_rounding_shown():
+    intervals, bare = _quoted_figures("| a | −0.0088 [−0.0135, −0.0043] (below) | 15.45M | 0.81 | 128 |\n"
+                                      "gap 0.41 [0.30, 0.50] at λ = 0.003")
+    assert intervals == [((-0.0088, 4), (-0.0135, 4), (-0.0043, 4)), ((0.41, 2), (0.30, 2), (0.50, 2))]
+    assert bare == [(15.45e6, -4), (0.81, 2)]
+    assert _shown_as(15450112, bare[0]) and not _shown_as(15460112, bare[0])
+    assert _shown_as(0.8125, bare[1]) and not _shown_as(0.8151, bare[1])
+    assert _cited_names("`kvpop/retention.py` `compare/x` `evaluate/a_b` `pipelines/ledger.py`",
+                        _PRODUCERS) == {"compare/x", "evaluate/a_b"}
+
+
+def test_every_cited_ledger_name_is_in_the_committed_ledger():
+    runs = L.read(L.LEDGER)
+    names = {r.name for r in runs}
+    producers = _PRODUCERS | {r.producer for r in runs}
+    missing = {f"{path.relative_to(L.ROOT)}: {name}" for path in _citing_files()
+               for name in _cited_names(path.read_text(), producers) if name not in names}
+    assert not missing, f"cited but not in results/ledger.jsonl: {sorted(missing)}"
+
+
+def test_decision_pages_quote_the_metrics_of_the_rows_they_cite():
+    """Every interval a decision page quotes is a metric (value, lo, hi) of a row the page cites, and every bare
+    decimal of its tables a metric value, each to the rounding shown; every run id it quotes is a cited row's."""
+    runs = L.read(L.LEDGER)
+    by_name: dict[str, list[L.Run]] = {}
+    for run in runs:
+        by_name.setdefault(run.name, []).append(run)
+    pages = sorted((L.ROOT / "docs" / "decisions").glob("[0-9][0-9][0-9][0-9]-*.md"))
+    assert pages
+    wrong = []
+    for page in pages:
+        text = page.read_text()
+        cited = [r for name in _cited_names(text, _PRODUCERS | set(by_name)) for r in by_name.get(name, [])]
+        assert cited, f"{page.name} cites no ledger row"
+        metrics = [m for r in cited for m in r.metrics.values()]
+        intervals, bare = _quoted_figures(text)
+        for v, lo, hi in intervals:
+            if not any(m.lo is not None and _shown_as(m.value, v) and _shown_as(m.lo, lo) and _shown_as(m.hi, hi)
+                       for m in metrics):
+                wrong.append(f"{page.name}: {v[0]} [{lo[0]}, {hi[0]}]")
+        for quoted in bare:
+            if not any(_shown_as(m.value, quoted) for m in metrics):
+                wrong.append(f"{page.name}: {quoted[0]}")
+        for prefix in _RUN.findall(text):
+            if not any(r.run_id.startswith(prefix) for r in cited):
+                wrong.append(f"{page.name}: run {prefix}")
+    assert not wrong, f"quoted but no metric of a cited row: {wrong}"
