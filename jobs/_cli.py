@@ -99,14 +99,15 @@ def _leave_on_interrupt(stage: str):
 
 
 def main(stage: str, description: str, body: Callable[[PipelineConfig], object], argv=None, *,
-         needs_ray: bool = True) -> int:
+         needs_ray: bool = True, loader: Callable | None = None) -> int:
     """Parse ``argv``, load and check the config, run ``body(cfg)``; the exit code. ``needs_ray=False``: a stage that
-    runs without Ray (evaluate) does not probe ``ray.address``."""
+    runs without Ray (evaluate) does not probe ``ray.address``. ``loader(args)``: what ``body`` gets instead of the
+    config (a recipe), loaded and checked by it (its errors are the config's: one line, exit code 2)."""
     args = parser(stage, description).parse_args(argv)
     try:
         try:
-            cfg = load(args)
-            if needs_ray:
+            cfg = loader(args) if loader is not None else load(args)
+            if needs_ray and loader is None:
                 check_address(cfg)
         except (ConfigError, ValueError, OSError) as err:  # the config as given: nothing has run yet
             return fail(stage, err)

@@ -1,5 +1,6 @@
 """``python -m jobs.evaluate [--config …] [--set k=v …]``: every policy × budget on held-out text, recall tasks and
-long generation, with 95 % bootstrap intervals and paired differences (a complete result is reused, not redone)."""
+long generation, with 95 % bootstrap intervals and paired differences (a complete result is reused, not redone);
+with ``eval.read_windows``, one more evaluation per read window (pipelines.evaluate.readings)."""
 import sys
 
 from jobs._cli import main
@@ -7,9 +8,9 @@ from pipelines import evaluate
 
 
 def body(cfg):
-    result = evaluate.run(cfg)
-    print(f"report, predictions and figures: {result.output_dir}{' (reused)' if result.reused else ''}\n"
-          f"mlflow run: {result.run_id}")
+    for result in evaluate.run_readings(cfg):
+        print(f"report, predictions and figures: {result.output_dir}{' (reused)' if result.reused else ''}\n"
+              f"mlflow run: {result.run_id}")
 
 
 def cli(argv=None) -> int:

@@ -1,4 +1,11 @@
-"""``python -m jobs.pipeline [--config …] [--set k=v …]``: precompute → [sweep →] train → evaluate, each resuming.
+"""``python -m jobs.pipeline [--config …] [--set k=v …]``: precompute → [sweep →] train → evaluate, each
+resuming.
+
+A config with ``phases:`` is a recipe (pipelines/recipe.py, e.g. configs/recipes/smollm2_kvpop.yaml): its phases run
+in order, each the whole pipeline, a phase starting from an earlier one's model through that phase's train record;
+``--set phases.<phase>.<key>=value`` sets one phase, ``--set <key>=value`` every phase. The same command after a kill
+resumes (finished phases are reused through their records). A missing recipe input is refused in one line naming the
+command that makes it, before anything is written.
 
 With ``sweep.in_pipeline=true`` the sweep runs after precompute and the train and evaluate stages use its best config
 (``<sweep dir>/best.yaml``). The README's run command: on the embedded default it runs SmolLM2-135M-Instruct on a
@@ -12,33 +19,41 @@ from jobs._cli import main
 
 
 def body(cfg):
-    from pipelines import evaluate, precompute, sweep, tracking, train
+    from pipelines import recipe, tracking
 
     start = time.perf_counter()
-    if cfg.train.init_from is not None:  # the train stage's input: refused now, not after the precompute's hours
-        from pipelines.identity import teacher_identity
-
-        train.check_init_from(cfg, teacher_identity(cfg)["weights_sha256"])
-    stages = 4 if cfg.sweep.in_pipeline else 3
-    print(f"[kvpop] config {cfg.name}: model {cfg.model.resolved_path()}, data {cfg.data.source}, "
-          f"S={cfg.data.seq_len}, budget {cfg.budget} (B={cfg.budget.total}), "
-          f"MLflow {cfg.tracking_uri()}", flush=True)
-    print(f"[kvpop] 1/{stages} precompute teacher targets", flush=True)
-    targets = precompute.run(cfg)
-    print(f"[kvpop]     {targets.path} ({targets.shards} shards, {targets.computed} computed now)", flush=True)
-    if cfg.sweep.in_pipeline:
-        print(f"[kvpop] 2/{stages} sweep", flush=True)
-        swept = sweep.run(cfg)
-        cfg = swept.best_config
-        print(f"[kvpop]     best config {swept.best_path}: scorer {cfg.train.scorer}, lr {cfg.train.lr:g}, budget "
-              f"{cfg.budget}", flush=True)
-    print(f"[kvpop] {stages - 1}/{stages} train the scorers", flush=True)
-    trained = train.run(cfg)
-    print(f"[kvpop]     {trained.model_dir}", flush=True)
-    print(f"[kvpop] {stages}/{stages} evaluate", flush=True)
-    result = evaluate.run(cfg)
-    print(f"[kvpop] done in {time.perf_counter() - start:.0f} s: table and figures in {result.output_dir}; "
+    result = recipe.run_pipeline(cfg)
+    out = result["evaluations"][0].output_dir
+    print(f"[kvpop] done in {time.perf_counter() - start:.0f} s: table and figures in {out}; "
           f"{review_hint(cfg.tracking_uri(), tracking.setup(cfg))}", flush=True)
+
+
+def recipe_body(loaded):
+    from pipelines import recipe, tracking
+
+    results = recipe.run(loaded)
+    for phase, result in zip(loaded.phases, results):
+        where = ", ".join(str(e.output_dir) for e in result["evaluations"]) or "not evaluated"
+        print(f"[kvpop] phase {phase.name}: model {result['model_dir']}; evaluation {where}", flush=True)
+    last = results[-1]["config"]
+    print(f"[kvpop] {review_hint(last.tracking_uri(), tracking.setup(last))}", flush=True)
+
+
+def load_recipe(args):
+    """The recipe at ``--config``, checked before any stage (``--print-config``: each phase's config, and exit)."""
+    from pipelines import recipe
+
+    loaded = recipe.load_recipe(args.config, args.overrides)
+    if args.print_config:
+        import yaml
+
+        for phase in loaded.phases:
+            print(f"# phase {phase.name}" + (f" (train.init_from: phase {phase.init_from}'s final model)"
+                                              if phase.init_from else ""))
+            print(yaml.safe_dump(loaded.config(phase).to_dict(), sort_keys=False) + "---")
+        sys.exit(0)
+    recipe.check(loaded)
+    return loaded
 
 
 def review_hint(uri: str, experiment_id: str) -> str:
@@ -53,6 +68,13 @@ def review_hint(uri: str, experiment_id: str) -> str:
 
 
 def cli(argv=None) -> int:
+    from pipelines.recipe import is_recipe
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    config = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"),
+                  next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), None))
+    if is_recipe(config):
+        return main("pipeline", __doc__, recipe_body, argv, loader=load_recipe)
     return main("pipeline", __doc__, body, argv)
 
 

@@ -4,8 +4,16 @@ Retrofitting attaches one scorer per attention layer (``self_attn.kvpop_scorer``
 switches the model's attention implementation to ``"kvpop"`` through transformers' ``AttentionInterface`` and
 ``AttentionMaskInterface`` registries. ``save_retrofitted`` / ``load_retrofitted`` round-trip it through a plain
 folder: ``kvpop.json`` and ``kvpop_scorers.safetensors``, plus either the base model as transformers saves it (format 1)
-or, when the base weights did not change (scorer-only training), the base folder's path and weights digest instead
-of a second copy of the weights (format 2).
+or, when the base weights did not change (scorer-only training), the base model's identity instead of a second copy
+of the weights (format 2): a portable artifact.
+
+**The base of a scorer-only folder** is named by identity, never by a machine's path: ``kvpop.json``'s ``base`` holds
+``tensors_sha256`` (:func:`kvpop.files.tensors_digest`, the weights' values: a base converted by another transformers
+version with the same tensors matches), ``model_type``, ``architectures``, the folder's ``name`` (for messages) and
+``weights_sha256`` (:func:`kvpop.files.weights_digest`, the file bytes, which stored targets are keyed by). Loading
+takes the base folder as an argument and refuses one whose tensors differ, in one line naming the digest expected and
+the digest found. Folders written before (a ``base.path`` and ``weights_sha256`` only) still load: from ``base=`` or
+else their recorded path, checked against their file digest.
 """
 from __future__ import annotations
 
@@ -27,14 +35,14 @@ from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.dms import DMSGate, attach_gates
-from kvpop.files import sha256_file, weights_digest
+from kvpop.files import model_identity, sha256_file, tensors_digest, weights_digest
 from kvpop.decode import chunk_bounds, padded_positions, prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
 
 ATTN_NAME = "kvpop"
 FORMAT_VERSION = 1  # base weights + scorers in one folder
-SCORER_ONLY_FORMAT_VERSION = 2  # scorers + the base model's identity (its folder and weights digest)
+SCORER_ONLY_FORMAT_VERSION = 2  # scorers + the base model's identity (its tensors' and files' digests)
 CONFIG_FILE = "kvpop.json"
 SCORERS_FILE = "kvpop_scorers.safetensors"
 
@@ -310,14 +318,15 @@ def _describe(model: nn.Module) -> dict:
 
 
 def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None, *, base: str | Path | None = None,
-                     base_sha256: str | None = None) -> Path:
+                     base_sha256: str | None = None, base_tensors_sha256: str | None = None) -> Path:
     """Save a retrofitted model into ``path``: ``kvpop.json``, the scorer weights and, unless ``base`` is given, the
     base weights as transformers saves them (a folder plain transformers loads too).
 
     ``base``: the folder holding this model's base weights unchanged (scorer-only training froze them). Then no
-    second copy of the base is written; ``kvpop.json`` records the folder and the digest of its weights, and
-    :func:`load_retrofitted` loads the base from there (or from a folder given to it) and checks the digest.
-    ``base_sha256``: that digest (:func:`kvpop.files.weights_digest`) if the caller has it, else it is computed.
+    second copy of the base is written; ``kvpop.json`` records the base's identity (module docstring), not its path,
+    and :func:`load_retrofitted` loads the base from a folder given to it and checks its tensors' digest.
+    ``base_sha256`` / ``base_tensors_sha256``: the base's :func:`kvpop.files.weights_digest` /
+    :func:`kvpop.files.tensors_digest` if the caller has them, else they are computed.
     """
     from safetensors.torch import save_file
 
@@ -328,7 +337,8 @@ def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None, *, base
     if base is not None:
         base = Path(base).expanduser().resolve()
         meta.update(format_version=SCORER_ONLY_FORMAT_VERSION,
-                    base={"path": str(base), "weights_sha256": base_sha256 or weights_digest(base)})
+                    base={**model_identity(base, base_tensors_sha256),
+                          "weights_sha256": base_sha256 or weights_digest(base)})
     else:
         base_state = {k: v for k, v in model.state_dict().items() if ".kvpop_scorer." not in k}
         model.config._attn_implementation = runtime.base_attn_implementation  # loadable without KVpop
@@ -372,24 +382,37 @@ def load_scorers(model: nn.Module, path: str | Path) -> None:
                              f"retrofit with the scorer options they were trained with") from None
 
 
+def base_matches(recorded: dict, *, weights_sha256: str | None = None, tensors_sha256: str | None = None) -> bool:
+    """Whether a base with these digests is the ``recorded`` base of a scorer-only folder: by the tensors' digest
+    where both sides have it (the identity), else by the files' digest (folders written before the identity)."""
+    if recorded.get("tensors_sha256") and tensors_sha256:
+        return recorded["tensors_sha256"] == tensors_sha256
+    return bool(weights_sha256) and recorded.get("weights_sha256") == weights_sha256
+
+
 def check_scorer_folder(path: str | Path, *, scorer: str, scorer_options: dict, window: int, base_sha256: str,
-                        digest=sha256_file) -> str:
+                        digest=sha256_file, base_tensors_sha256: str | None = None) -> str:
     """The digest (``digest(file)``, default its sha256) of the scorer weights in ``path``, after checking that the
     folder holds scorers a run with these settings can start from (fine-tuning): a scorer-only folder (as
     :func:`save_retrofitted` writes it with ``base``) of ``scorer`` with exactly ``scorer_options``, retrofitted at
     this budget ``window`` (the scorers read priorities that late) on the base whose :func:`kvpop.files.weights_digest`
-    is ``base_sha256``. Otherwise a one-line ``ValueError`` saying what differs (callers prefix the folder's name)."""
+    is ``base_sha256`` and :func:`kvpop.files.tensors_digest` ``base_tensors_sha256`` (:func:`base_matches`).
+    Otherwise a one-line ``ValueError`` saying what differs (callers prefix the folder's name)."""
     path = Path(path)
     try:
         meta = json.loads((path / CONFIG_FILE).read_text())
-        window_of, trained_on, spec = meta["budget"]["window"], meta["base"]["weights_sha256"], meta["scorer"]
+        window_of, recorded, spec = meta["budget"]["window"], dict(meta["base"]), meta["scorer"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ValueError(f"not a saved scorer folder (a scorer-only {CONFIG_FILE} with its budget, scorer and base, "
                          f"as a train stage's final_model or a study's step-* folder has; {type(err).__name__}: "
                          f"{err})") from None
-    if window_of != window or trained_on != base_sha256:
-        raise ValueError(f"trained at window {window_of} on base {str(trained_on)[:12]}…, this run trains at window "
-                         f"{window} on {base_sha256[:12]}…: start from scorers of this window and base")
+    if window_of != window or not base_matches(recorded, weights_sha256=base_sha256,
+                                               tensors_sha256=base_tensors_sha256):
+        by_tensors = bool(recorded.get("tensors_sha256") and base_tensors_sha256)
+        theirs = recorded.get("tensors_sha256" if by_tensors else "weights_sha256")
+        mine = base_tensors_sha256 if by_tensors else base_sha256
+        raise ValueError(f"trained at window {window_of} on base {str(theirs)[:16]}…, this run trains at window "
+                         f"{window} on {str(mine)[:16]}…: start from scorers of this window and base")
     mine = {"name": scorer, **scorer_options}
     if spec != mine:
         raise ValueError(f"its scorers are {json.dumps(spec)}, this run's {json.dumps(mine)}: start from scorers of "
@@ -427,19 +450,43 @@ def rewindow_scorer_folder(source: str | Path, target: str | Path, budget: Budge
     return target
 
 
-def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: bool) -> Path:
-    """Where a folder's base weights are: itself, or (scorer-only format) the recorded or given base folder."""
+def _describe_base(recorded: dict) -> str:
+    digest = recorded.get("tensors_sha256") or recorded.get("weights_sha256") or "?"
+    kind = "tensors" if recorded.get("tensors_sha256") else "weights"
+    return f"{recorded.get('name') or recorded.get('path', '?')} ({kind} sha256 {digest[:16]}…)"
+
+
+def saved_base_folder(path: str | Path, base: str | Path | None = None, *, verify: bool = True,
+                      tensors=tensors_digest, weights=weights_digest) -> Path:
+    """Where the base weights of a folder written by :func:`save_retrofitted` are: itself, or (scorer-only format)
+    ``base`` — else the recorded path of a folder written before the base identity — once its digest matches
+    (module docstring; ``tensors`` / ``weights``: the digest functions, a caller with a cache passes its own).
+    One-line ``FileNotFoundError`` / ``ValueError`` otherwise, naming the digest expected and the one found."""
+    path = Path(path)
+    return _base_folder(path, _saved_meta(path), base, verify, tensors, weights)
+
+
+def _base_folder(path: Path, meta: dict, base: str | Path | None, verify_base: bool, tensors=tensors_digest,
+                 weights=weights_digest) -> Path:
     recorded = meta.get("base")
     if recorded is None:
         return path
+    if base is None and not recorded.get("path"):
+        raise FileNotFoundError(f"{path} holds scorers only, for base {_describe_base(recorded)}: pass the base "
+                                f"model's folder (base=, model.path)")
     folder = Path(base).expanduser() if base is not None else Path(recorded["path"])
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{path} holds scorers only; its base model {folder} is missing: pass base=<a folder "
-                                f"with the same weights> (recorded weights sha256 {recorded['weights_sha256'][:12]}…)")
-    if verify_base and weights_digest(folder) != recorded["weights_sha256"]:
-        raise ValueError(f"the base model at {folder} is not the one the scorers in {path} were trained on (weights "
-                         f"sha256 differs from the recorded {recorded['weights_sha256'][:12]}…): pass base=<the "
-                         f"original base folder>")
+        raise FileNotFoundError(f"{path} holds scorers only; its base model folder {folder} is missing (no "
+                                f"config.json): give a folder with base {_describe_base(recorded)}")
+    if verify_base:
+        if recorded.get("tensors_sha256"):
+            kind, expected, found = "tensors", recorded["tensors_sha256"], tensors(folder)
+        else:
+            kind, expected, found = "weights", recorded["weights_sha256"], weights(folder)
+        if found != expected:
+            named = recorded.get("name") or recorded.get("path")
+            raise ValueError(f"the base model at {folder} is not the one the scorers in {path} were trained on: "
+                             f"expected {kind} sha256 {expected[:16]}… ({named}), found {found[:16]}…")
     return folder
 
 
@@ -450,11 +497,11 @@ def _saved_meta(path: Path) -> dict:
     return json.loads((path / CONFIG_FILE).read_text())
 
 
-def saved_model_config(path: str | Path) -> dict:
+def saved_model_config(path: str | Path, base: str | Path | None = None) -> dict:
     """The Hugging Face ``config.json`` of a folder written by :func:`save_retrofitted`: its own, or (scorer-only
-    format) its recorded base folder's — without loading weights."""
+    format) its base folder's (``base``, else a recorded path) — without loading or checking weights."""
     path = Path(path)
-    folder = _base_folder(path, _saved_meta(path), None, verify_base=False)
+    folder = _base_folder(path, _saved_meta(path), base, verify_base=False)
     return json.loads((folder / "config.json").read_text())
 
 
@@ -463,9 +510,9 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     """``(model, tokenizer_or_None)`` from a folder written by :func:`save_retrofitted`; local files only, no remote
     code.
 
-    A scorer-only folder (saved with ``base=``) loads its base model from ``base`` or else from the recorded folder,
-    after checking that folder's weights digest against the recorded one (``verify_base=False`` skips the check, which
-    reads every weight file once).
+    A scorer-only folder (saved with ``base=``) loads its base model from ``base`` (or, written before the base
+    identity, from its recorded folder), after checking that folder's digest against the recorded one
+    (``verify_base=False`` skips the check, which reads every weight file once).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -324,8 +324,8 @@ class EvalConfig(OptionalSettings):
     """pipelines/evaluate.py: every policy × budget on held-out text, recall tasks and long generation, with 95 %
     bootstrap intervals over items and paired differences (pipelines/stats.py)."""
 
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("recency", "anchor_share", "anchor_recency")  # came after evaluations
-    #                                      were first recorded
+    # came after evaluations were first recorded
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("recency", "anchor_share", "anchor_recency", "read_windows")
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
     budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
     compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
@@ -351,6 +351,9 @@ class EvalConfig(OptionalSettings):
     anchor_share: float | None = None  # the kvpop rows' anchor slots (METHOD §1): this share of the topk slots keeps
     #     the best by scorer + anchor_recency * t, beside the rest ranked with `recency`; null: the model's own
     anchor_recency: float | None = None  # the anchors' recency term; null: the model's own
+    read_windows: tuple[int, ...] = ()  # shorter windows the trained scorers are also read at, no retraining: each
+    #     CR whose B is below the trained sink + window gets an evaluation of its own at the largest of these windows
+    #     that leaves long-range slots (sink + window < B), every policy at that budget (pipelines.evaluate.readings)
 
     def __post_init__(self):
         _validate_eval(self)
@@ -456,6 +459,9 @@ def _validate_eval(ev: "EvalConfig") -> None:
                                                                "topk slots; or null: the trained model's own)"),
         (ev.anchor_recency is None or ev.anchor_recency >= 0, "eval.anchor_recency must be >= 0 (or null: the "
                                                               "trained model's own)"),
+        (all(w >= 1 for w in ev.read_windows), "eval.read_windows must all be >= 1 (protected windows)"),
+        (not ev.read_windows or "kvpop" in ev.policies, "eval.read_windows reads the kvpop scorers at other windows: "
+                                                        "add kvpop to eval.policies"),
         (ev.anchor_share is None and ev.anchor_recency is None or "kvpop" in ev.policies,
          "eval.anchor_share / eval.anchor_recency set the kvpop rows' anchor slots: add kvpop to eval.policies"),
     ]

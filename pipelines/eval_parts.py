@@ -32,6 +32,7 @@ from pipelines import recall
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig
 from pipelines.data import load_sequences
+from pipelines.identity import base_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,7 +56,8 @@ def checkpoint_tokenizer(path: Path):
 
 def load_models(cfg: PipelineConfig, path: Path, device):
     """The retrofitted model, and the dense reference when the base model was fine-tuned (distill) else None."""
-    model, _ = kvpop.load_retrofitted(path, dtype=DTYPES[cfg.model.dtype])
+    model, _ = kvpop.load_retrofitted(path, dtype=DTYPES[cfg.model.dtype], base=base_folder(cfg, path),
+                                      verify_base=False)  # base_folder checked it (digests cached)
     reference = None
     if cfg.train.mode == "distill":
         reference, _ = load_pretrained(cfg.model.resolved_path(), dtype=DTYPES[cfg.model.dtype])
@@ -184,7 +186,9 @@ def load_baselines(cfg: PipelineConfig, device) -> dict:
     (StreamingLLM+: ``streaming``, DMS: the hard ``dms``, a separately trained KVpop: ``kvpop``)."""
     out = {}
     for name, folder in cfg.eval.baselines.items():
-        model, _ = kvpop.load_retrofitted(baseline_path(name, folder), dtype=DTYPES[cfg.model.dtype])
+        where = baseline_path(name, folder)
+        model, _ = kvpop.load_retrofitted(where, dtype=DTYPES[cfg.model.dtype], base=base_folder(cfg, where),
+                                          verify_base=False)
         out[name] = model.to(device).eval()
     return out
 

@@ -30,6 +30,7 @@ per (layer, head) mean and max and its peak.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import time
@@ -42,12 +43,12 @@ from kvpop import Budget
 from kvpop import evaluation as runner
 from kvpop.retrofit import runtime_of
 from kvpop.files import atomic_write_text
-from kvpop.retrofit import saved_model_config
+from kvpop.retrofit import CONFIG_FILE, SCORERS_FILE, rewindow_scorer_folder, saved_model_config
 from pipelines import eval_parts, records, report, stats, tracking
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
 from pipelines.data import load_tokenizer
-from pipelines.identity import folder_digest
+from pipelines.identity import base_folder, file_digest, folder_digest
 from pipelines.train import model_dir
 
 FORMAT_VERSION = 1
@@ -116,6 +117,7 @@ def _digest(rows) -> str:
 def plan(cfg: PipelineConfig) -> dict:
     """Everything the evaluation depends on, resolved without loading the model, and the directory key."""
     path = trained_model_path(cfg)
+    weights = base_folder(cfg, path)  # a scorer-only checkpoint's base: model.path, refused unless its tensors match
     tokenizer = eval_parts.checkpoint_tokenizer(path) or load_tokenizer(cfg)
     sequences = eval_parts.heldout_sequences(cfg, tokenizer)
     if not sequences:
@@ -124,7 +126,7 @@ def plan(cfg: PipelineConfig) -> dict:
     kv = json.loads((path / "kvpop.json").read_text())
     base = Budget(**kv["budget"]) if kv.get("budget") else cfg.budget
     budgets, unreachable = resolve_budgets(base, seq_len, cfg.eval.budgets, cfg.eval.compression_ratios)
-    context = saved_model_config(path).get("max_position_embeddings")
+    context = saved_model_config(path, weights).get("max_position_embeddings")
     try:
         samples = eval_parts.recall_samples(cfg, tokenizer, context)
         problems = long_prompts.load_problems(cfg.eval.generation_prompts, seed=cfg.data.seed, training_docs=
@@ -269,3 +271,47 @@ def _log(cfg: PipelineConfig, out: Path, p: dict, summary: dict, run_id: str | N
             mlflow.log_input(MetaDataset(source, name=f"eval-{part}", digest=info["sha256"][:32]), context="evaluation")
         mlflow.log_artifacts(str(out), "eval")
         return active.info.run_id
+
+
+# ------------------------------------------------------------------------------------------------ read windows
+def readings(cfg: PipelineConfig) -> list[PipelineConfig]:
+    """The evaluations ``eval.read_windows`` adds: the CRs this config's trained budget cannot reach (B < sink +
+    window), each at the largest read window that leaves long-range slots (sink + w < B), grouped by window: per
+    window, this config evaluating a copy of the trained scorers at that window
+    (:func:`kvpop.retrofit.rewindow_scorer_folder`: the same weights, read when a token leaves the shorter window; a
+    policy of its own, not the trained one) at those CRs only. Empty without ``eval.read_windows``."""
+    if not cfg.eval.read_windows:
+        return []
+    path = trained_model_path(cfg)
+    kv = json.loads((path / CONFIG_FILE).read_text())
+    if not kv.get("budget") or not kv.get("scorer"):
+        raise ConfigError(f"eval.read_windows: {path} holds no trained scorers with a budget to read at other windows")
+    trained = Budget(**kv["budget"])
+    _, unreachable = resolve_budgets(trained, cfg.data.seq_len, (), cfg.eval.compression_ratios)
+    by_window: dict[int, list[float]] = {}
+    for cell in unreachable:
+        fits = [w for w in cfg.eval.read_windows if trained.sink + w < cell["B"]]
+        if fits:
+            by_window.setdefault(max(fits), []).append(cell["CR"])
+    found = []
+    scorers = file_digest(path / SCORERS_FILE, cfg.home_dir())[:16]
+    for window, ratios in sorted(by_window.items(), reverse=True):
+        folder = cfg.home_dir() / "eval" / "read_windows" / f"{scorers}-s{trained.sink}-w{window}"
+        if not (folder / CONFIG_FILE).is_file():  # written aside, then renamed: a kill leaves no half folder
+            aside = folder.with_name(f".{folder.name}.tmp")
+            shutil.rmtree(aside, ignore_errors=True)
+            rewindow_scorer_folder(path, aside, Budget(trained.sink, window, 0))
+            aside.rename(folder)
+        found.append(dataclasses.replace(cfg, eval=dataclasses.replace(
+            cfg.eval, checkpoint=str(folder), compression_ratios=tuple(ratios), budgets=(), read_windows=())))
+    return found
+
+
+def run_readings(cfg: PipelineConfig, *, progress: bool = True) -> list[EvalResult]:
+    """:func:`run` for this config, then for each of its :func:`readings`."""
+    results = [run(cfg, progress=progress)]
+    for reading in readings(cfg):
+        print(f"[kvpop.evaluate] CR {', '.join(f'{r:g}' for r in reading.eval.compression_ratios)}: the scorers read "
+              f"at {reading.eval.checkpoint}", flush=True)
+        results.append(run(reading, progress=progress))
+    return results

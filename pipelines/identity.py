@@ -2,7 +2,8 @@
 
 Expensive outputs live under paths derived from a hash of what they depend on. A digest of a large file (model
 weights, a corpus) is computed once and cached in ``$KVPOP_HOME/cache/sha256.json``, keyed by the file's absolute
-path, size and modification time, so asking again costs a ``stat``.
+path, size and modification time, so asking again costs a ``stat``; a model folder's tensors digest
+(:func:`tensors_digest`, a trained model's portable base identity) likewise, keyed by its weight files' stamps.
 """
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import os
 from pathlib import Path
 
 from kvpop.files import atomic_write_text, exclusive_lock, sha256_file
+from kvpop.files import tensors_digest as _tensors_digest
 from kvpop.files import weights_digest as _weights_digest
-from kvpop.retrofit import SCORERS_FILE
+from kvpop.retrofit import SCORERS_FILE, saved_base_folder
 from pipelines.config import ConfigError, PipelineConfig
 
 DIGEST_CACHE = "sha256.json"
@@ -32,13 +34,24 @@ def file_digest(path: str | os.PathLike, home: str | os.PathLike) -> str:
     """sha256 of a file's bytes, cached by (absolute path, size, mtime) under ``home``."""
     path = Path(path).resolve()
     stat = path.stat()
-    key = str(path)
-    stamp = [stat.st_size, stat.st_mtime_ns]
+    return _cached(str(path), [stat.st_size, stat.st_mtime_ns], lambda: sha256_file(path), home)
+
+
+def tensors_digest(model_dir: str | os.PathLike, home: str | os.PathLike) -> str:
+    """:func:`kvpop.files.tensors_digest`, cached by the folder and its ``*.safetensors`` files' sizes and mtimes."""
+    model_dir = Path(model_dir).resolve()
+    stamp = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(model_dir.glob("*.safetensors"))]
+    if not stamp:
+        return _tensors_digest(model_dir)  # its one-line error
+    return _cached(f"tensors:{model_dir}", stamp, lambda: _tensors_digest(model_dir), home)
+
+
+def _cached(key: str, stamp: list, compute, home: str | os.PathLike) -> str:
     cache = Path(home) / "cache" / DIGEST_CACHE
     entry = _read_cache(cache).get(key)
     if isinstance(entry, dict) and entry.get("stamp") == stamp:
         return entry["sha256"]
-    digest = sha256_file(path)
+    digest = compute()
     with exclusive_lock(cache.with_suffix(".lock"), wait=True):  # concurrent writers merge instead of clobbering
         entries = _read_cache(cache)
         entries[key] = {"stamp": stamp, "sha256": digest}
@@ -99,3 +112,16 @@ def init_identity(cfg: PipelineConfig) -> list:
         raise ConfigError(f"train.init_from {cfg.train.init_from}: no {SCORERS_FILE} there: give a saved scorer "
                           f"folder (a train stage's final_model)")
     return [("init_scorers_sha256", file_digest(weights, cfg.home_dir()))]
+
+
+def base_folder(cfg: PipelineConfig, saved: str | os.PathLike) -> Path:
+    """The base weights of the saved model folder ``saved`` for this config: ``model.path``'s folder when ``saved``
+    holds scorers only, refused in one :class:`ConfigError` line if that folder is missing or its tensors are not the
+    ones the scorers were trained on (the digest expected and found; cached digests), else ``saved`` itself."""
+    home = cfg.home_dir()
+    try:
+        return saved_base_folder(saved, cfg.model.resolved_path(),
+                                 tensors=functools.partial(tensors_digest, home=home),
+                                 weights=functools.partial(weights_digest, home=home))
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from None

@@ -42,7 +42,7 @@ from pipelines import records, store, tracking
 from pipelines.cluster import ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, env_home, fingerprint
 from pipelines.data import load_tokenizer
-from pipelines.identity import file_digest, init_identity
+from pipelines.identity import file_digest, init_identity, tensors_digest
 from pipelines.train_worker import TrainSpec, train_loop, trained_steps
 
 FINAL_MODEL = "final_model"
@@ -105,7 +105,8 @@ def check_trainable(cfg: PipelineConfig, rows: int | None = None) -> None:
 def check_init_from(cfg: PipelineConfig, base_sha256: str) -> str | None:
     """``train.init_from``'s scorer weights digest (None without it), after checking that the folder holds scorers
     of ``train.scorer`` with exactly ``train.scorer_options``, at ``budget.window``, on the base weights
-    ``base_sha256`` (:func:`kvpop.retrofit.check_scorer_folder`): else one :class:`ConfigError` line."""
+    ``base_sha256`` — or, where the folder names its base by identity, on ``model.path``'s tensors
+    (:func:`kvpop.retrofit.check_scorer_folder`): else one :class:`ConfigError` line."""
     t = cfg.train
     if t.init_from is None:
         return None
@@ -113,8 +114,9 @@ def check_init_from(cfg: PipelineConfig, base_sha256: str) -> str | None:
         return check_scorer_folder(Path(t.init_from).expanduser(), scorer=t.scorer,
                                    scorer_options=dict(t.scorer_options), window=cfg.budget.window,
                                    base_sha256=base_sha256,
+                                   base_tensors_sha256=tensors_digest(cfg.model.resolved_path(), cfg.home_dir()),
                                    digest=lambda f: file_digest(f, cfg.home_dir()))
-    except ValueError as err:
+    except (OSError, ValueError) as err:
         raise ConfigError(f"train.init_from {t.init_from}: {err}") from None
 
 
@@ -154,7 +156,8 @@ def make_spec(cfg: PipelineConfig, targets: store.Targets, name: str, storage: P
     t = cfg.train
     return TrainSpec(
         run_name=name, run_dir=str(storage / name), base_path=str(cfg.model.resolved_path()),
-        base_sha256=targets.identity["teacher"]["weights_sha256"], objective=objective_of(cfg),
+        base_sha256=targets.identity["teacher"]["weights_sha256"],
+        base_tensors_sha256=tensors_digest(cfg.model.resolved_path(), cfg.home_dir()), objective=objective_of(cfg),
         policy=t.policy, scorer=t.scorer, scorer_options=dict(t.scorer_options) if t.policy == "kvpop" else {},
         mode=t.mode, target_column=store.target_column(cfg.budget.window) if t.policy == "kvpop" else "",
         dms_temperature=t.dms_temperature,

@@ -60,7 +60,7 @@ class TrainSpec:
     run_name: str
     run_dir: str  # <storage>/<run name>: Ray Train's run folder, where final_model goes
     base_path: str  # the teacher's folder: the student's base weights
-    base_sha256: str  # its weights digest (recorded by a scorer-only final model)
+    base_sha256: str  # its weights (files) digest (recorded by a scorer-only final model)
     objective: Objective | DMSObjective | StreamingObjective
     policy: str  # kvpop | dms | streaming (train.policy)
     scorer: str
@@ -87,6 +87,7 @@ class TrainSpec:
     report_every_step: bool = False  # a Tune trial: every step's metrics reach the scheduler
     save_final: bool = True
     init_from: str = ""  # a saved scorer folder the scorers start from (train.init_from, checked by the driver)
+    base_tensors_sha256: str = ""  # the base's tensors digest: a scorer-only final model's portable base identity
 
     @property
     def budget(self) -> Budget:
@@ -137,7 +138,8 @@ def write_final_model(model, out: Path, tokenizer, spec: TrainSpec, steps: int) 
         kvpop.set_policy(model, "dms", spec.budget)  # the hard gates: what prefill and the DMS cache run
     with torch.no_grad():
         kvpop.save_retrofitted(model, tmp, tokenizer, base=None if distilled else spec.base_path,
-                               base_sha256=None if distilled else spec.base_sha256)
+                               base_sha256=None if distilled else spec.base_sha256,
+                               base_tensors_sha256=None if distilled else spec.base_tensors_sha256 or None)
     (tmp / TRAIN_MARKER).write_text(json.dumps({"steps": steps, "run_name": spec.run_name, "mode": spec.mode,
                                                 "policy": spec.policy}))
     shutil.rmtree(out, ignore_errors=True)

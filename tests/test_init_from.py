@@ -99,7 +99,7 @@ def test_the_driver_checks_the_folder_in_one_line(tiny_setup, tmp_path):
         (["train.init_from=" + str(tmp_path / "nothing")], base, "not a saved scorer folder"),
         ([f"train.init_from={distilled}"], base, "not a saved scorer folder"),
         ([f"train.init_from={folder}", "budget.window=16"], base, "trained at window 8 on base"),
-        ([f"train.init_from={folder}"], teacher_identity(tiny_config(
+        ([f"train.init_from={folder}", f"model.path={tiny_setup / 'other_teacher'}"], teacher_identity(tiny_config(
             tiny_setup, tmp_path / "home", f"model.path={tiny_setup / 'other_teacher'}"))["weights_sha256"],
          "start from scorers of this window and base"),
         ([f"train.init_from={other}"], base, "start from scorers of the same scorer and options"),

@@ -12,7 +12,6 @@
   ``tools/…``, ``infra/…``, ``docs/…``, ``research/…``) exists, each ``python -m X`` is a module of the repository.
 * **Links** to repository files resolve; the README stays at most 15 KB.
 
-``PENDING`` lists the files the README names that other branches add; it must be empty once they are merged.
 """
 from __future__ import annotations
 
@@ -34,8 +33,6 @@ FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 REPO_PATH = re.compile(r"(?<![\w./-])((?:configs|benchmarks|tools|infra|docs|research)/[\w./-]*[\w/])")
 MODULE = re.compile(r"python -m ([\w.]+)")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
-# named by the README, added by the results-ledger and recipe branches (remove each entry when it lands)
-PENDING = {"configs/recipes/smollm2_kvpop.yaml"}
 BLOCK_TIMEOUT_S = 600
 
 
@@ -143,7 +140,7 @@ def test_every_path_module_and_link_the_readme_names_exists():
     text = README.read_text()
     missing = []
     for path in set(REPO_PATH.findall(text)) | {m for m in LINK.findall(text) if "://" not in m}:
-        if path not in PENDING and not (REPO / path).exists():
+        if not (REPO / path).exists():
             missing.append(path)
     for module in set(MODULE.findall(text)):
         parts = module.split(".")
@@ -153,10 +150,6 @@ def test_every_path_module_and_link_the_readme_names_exists():
     assert not missing, f"README.md names what the repository does not have: {sorted(missing)}"
 
 
-def test_pending_names_are_still_missing():
-    """An entry of PENDING that exists has landed: drop it, so that the check above covers it again."""
-    landed = sorted(p for p in PENDING if (REPO / p).exists())
-    assert not landed, f"remove from PENDING: {landed}"
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """retrofit / save / load, and the errors a user sees when something does not fit."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ from torch import nn
 
 import kvpop
 from kvpop import Budget
+from kvpop.files import tensors_digest, weights_digest
 from kvpop.retrofit import saved_model_config
 from tests.models import tiny_model
 
@@ -117,7 +119,7 @@ def test_set_policy_keeps_the_recency_term():
     assert kvpop.set_policy(model, "kvpop", Budget(1, 2, 5), recency=0.0).recency == 0.0
 
 
-def test_scorer_only_folder_loads_its_base_from_the_recorded_identity(tmp_path):
+def test_scorer_only_folder_names_its_base_by_identity_and_loads_on_a_given_base(tmp_path):
     base = tiny_model("llama", "gqa")
     base.save_pretrained(tmp_path / "base")
     model = tiny_model("llama", "gqa")  # the same weights (seed 0), trained scorers on top
@@ -131,19 +133,85 @@ def test_scorer_only_folder_loads_its_base_from_the_recorded_identity(tmp_path):
     kvpop.save_retrofitted(model, tmp_path / "m", base=tmp_path / "base")
     assert not list((tmp_path / "m").glob("model*.safetensors")), "no second copy of the base weights"
     meta = json.loads((tmp_path / "m" / "kvpop.json").read_text())
-    assert meta["format_version"] == 2 and meta["base"]["path"] == str((tmp_path / "base").resolve())
-    loaded, _ = kvpop.load_retrofitted(tmp_path / "m")
+    assert meta["format_version"] == 2 and "path" not in meta["base"]
+    assert str(tmp_path) not in (tmp_path / "m" / "kvpop.json").read_text(), "no path of this machine"
+    assert meta["base"] == {"name": "base", "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                            "tensors_sha256": tensors_digest(tmp_path / "base"),
+                            "weights_sha256": weights_digest(tmp_path / "base")}
+    with pytest.raises(FileNotFoundError, match=r"holds scorers only, for base base \(tensors sha256 [0-9a-f]{16}…\)"):
+        kvpop.load_retrofitted(tmp_path / "m")
+    # moved to "another machine": any folder with the same tensors is the base
+    (tmp_path / "base").rename(tmp_path / "moved")
+    loaded, _ = kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "moved")
     with torch.no_grad():
         assert torch.equal(loaded(ids, use_cache=False).logits, before)
     # the model's HF config is the base's (what evaluation reads for the context length), no weights loaded
-    assert saved_model_config(tmp_path / "m") == json.loads((tmp_path / "base" / "config.json").read_text())
+    assert saved_model_config(tmp_path / "m", tmp_path / "moved") == \
+        json.loads((tmp_path / "moved" / "config.json").read_text())
     kvpop.save_retrofitted(model, tmp_path / "full")
     assert saved_model_config(tmp_path / "full")["max_position_embeddings"] == model.config.max_position_embeddings
-    # moved elsewhere: the base is given explicitly; a base with other weights is refused
-    (tmp_path / "base").rename(tmp_path / "moved")
-    with pytest.raises(FileNotFoundError, match="holds scorers only; its base model .* is missing"):
-        kvpop.load_retrofitted(tmp_path / "m")
-    assert kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "moved")[0] is not None
+    with pytest.raises(FileNotFoundError, match="its base model folder .*nowhere is missing"):
+        kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "nowhere")
     tiny_model("llama", "gqa", seed=1).save_pretrained(tmp_path / "other")
-    with pytest.raises(ValueError, match="not the one the scorers .* were trained on"):
+    expected, found = tensors_digest(tmp_path / "moved")[:16], tensors_digest(tmp_path / "other")[:16]
+    with pytest.raises(ValueError, match=f"expected tensors sha256 {expected}… \\(base\\), found {found}…"):
+        kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "other")
+
+
+def test_a_base_rewritten_with_the_same_tensors_still_matches(tmp_path):
+    """Another transformers version may write other safetensors metadata, another tensor order, another sharding
+    and another config.json: the tensors' digest stays; any changed value changes it."""
+    from safetensors.torch import load_file, save_file
+
+    base = tiny_model("llama", "gqa")
+    base.save_pretrained(tmp_path / "base")
+    state = load_file(str(tmp_path / "base" / "model.safetensors"))
+    names = sorted(state)
+    converted = tmp_path / "converted"
+    converted.mkdir()
+    half = len(names) // 2  # two shards, reversed order, other metadata
+    save_file({n: state[n] for n in reversed(names[:half])}, str(converted / "model-00001-of-00002.safetensors"),
+              metadata={"format": "pt", "converted_by": "another version"})
+    save_file({n: state[n] for n in names[half:]}, str(converted / "model-00002-of-00002.safetensors"))
+    shard = {n: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, n in enumerate(names)}
+    (converted / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": shard}))
+    config = json.loads((tmp_path / "base" / "config.json").read_text())
+    (converted / "config.json").write_text(json.dumps({**config, "transformers_version": "0.0.1"}, indent=4))
+    assert weights_digest(converted) != weights_digest(tmp_path / "base")  # the file bytes differ ...
+    assert tensors_digest(converted) == tensors_digest(tmp_path / "base")  # ... the tensors do not
+    changed = dict(state)
+    first = names[0]
+    changed[first] = changed[first].clone()
+    changed[first].view(-1)[0] += 1e-3
+    save_file(changed, str(tmp_path / "changed.safetensors"))
+    (tmp_path / "one").mkdir()
+    (tmp_path / "changed.safetensors").rename(tmp_path / "one" / "model.safetensors")
+    assert tensors_digest(tmp_path / "one") != tensors_digest(tmp_path / "base")
+    retyped = {n: v.to(torch.bfloat16) for n, v in state.items()}  # the same values in another dtype: another base
+    (tmp_path / "bf16").mkdir()
+    save_file(retyped, str(tmp_path / "bf16" / "model.safetensors"))
+    assert tensors_digest(tmp_path / "bf16") != tensors_digest(tmp_path / "base")
+
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, Budget(2, 6, 9), scorer="mlp")
+    kvpop.save_retrofitted(model, tmp_path / "m", base=tmp_path / "base")
+    assert kvpop.load_retrofitted(tmp_path / "m", base=converted)[0] is not None
+
+
+def test_a_folder_written_before_the_identity_still_loads(tmp_path):
+    """Committed scorers name their base by ``path`` + the files' ``weights_sha256``: read from the recorded path, or
+    a given base whose files digest the same."""
+    tiny_model("llama", "gqa").save_pretrained(tmp_path / "base")
+    model = tiny_model("llama", "gqa")
+    kvpop.retrofit(model, Budget(2, 6, 9), scorer="mlp")
+    kvpop.save_retrofitted(model, tmp_path / "m", base=tmp_path / "base")
+    meta = json.loads((tmp_path / "m" / "kvpop.json").read_text())
+    meta["base"] = {"path": str(tmp_path / "base"), "weights_sha256": weights_digest(tmp_path / "base")}
+    (tmp_path / "m" / "kvpop.json").write_text(json.dumps(meta))
+    assert kvpop.load_retrofitted(tmp_path / "m")[0] is not None
+    assert saved_model_config(tmp_path / "m")["model_type"] == "llama"
+    shutil.copytree(tmp_path / "base", tmp_path / "copy")
+    assert kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "copy")[0] is not None
+    tiny_model("llama", "gqa", seed=1).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match=f"expected weights sha256 {weights_digest(tmp_path / 'base')[:16]}…"):
         kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "other")

@@ -46,7 +46,7 @@ def test_the_rewindowed_folder_ranks_like_its_weights_retrofitted_at_the_new_win
     assert load_file(str(out / "kvpop_scorers.safetensors")).keys() == \
         load_file(str(saved / "kvpop_scorers.safetensors")).keys()
 
-    moved, _ = kvpop.load_retrofitted(out)
+    moved, _ = kvpop.load_retrofitted(out, base=base)
     assert runtime_of(moved).policy.budget == Budget(1, 3, 5)
     assert all(s.window == 3 for s in kvpop.scorers(moved))
     fresh = AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
@@ -54,7 +54,7 @@ def test_the_rewindowed_folder_ranks_like_its_weights_retrofitted_at_the_new_win
     kvpop.load_scorers(fresh, saved)
     ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(_priorities(moved, ids), _priorities(fresh, ids), rtol=0, atol=0)
-    original, _ = kvpop.load_retrofitted(saved)
+    original, _ = kvpop.load_retrofitted(saved, base=base)
     if scorer == "mlstm":  # the delayed scorer reads token t at t + window: another window, other priorities
         assert not torch.allclose(_priorities(moved, ids), _priorities(original, ids))
 

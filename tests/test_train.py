@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvpop
-from kvpop.files import sha256_file
+from kvpop.files import sha256_file, tensors_digest
 from pipelines import records, store, tracking, train
 from pipelines.config import ConfigError
 from pipelines.train_worker import TRAIN_MARKER, TrainSpec, batch_losses, build_student, write_final_model
@@ -72,15 +72,16 @@ def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targe
     assert {"model/kvpop.json", "model/kvpop_scorers.safetensors"} <= artifacts
     assert not any(path.endswith(".safetensors") and "scorers" not in path for path in artifacts), artifacts
     meta = json.loads((result.model_dir / "kvpop.json").read_text())
-    assert meta["base"]["path"] == str((tiny_setup / "teacher").resolve())
+    assert "path" not in meta["base"], "a portable artifact names its base by identity, not by a path"
     assert meta["base"]["weights_sha256"] == targets.identity["teacher"]["weights_sha256"]
+    assert meta["base"]["tensors_sha256"] == tensors_digest(tiny_setup / "teacher")
 
     # 3. the trained scorers beat the untrained ones on the teacher's boundary decisions
     table = store.open_targets(tiny_targets[1].path).read_table()
     rows = {name: table.column(name).combine_chunks().to_numpy_ndarray()
             for name in ("input_ids", "targets_w8", "topk_values", "topk_indices")}
     spec = train.make_spec(cfg, targets, name, train.runs_root(cfg), run_id)
-    trained, _ = kvpop.load_retrofitted(result.model_dir)
+    trained, _ = kvpop.load_retrofitted(result.model_dir, base=tiny_setup / "teacher")
     untrained, _ = build_student(spec)
     before, after = _boundary_loss(untrained, rows, spec), _boundary_loss(trained, rows, spec)
     assert after < 0.8 * before, (before, after)
@@ -165,7 +166,7 @@ def test_the_mlflow_run_is_committed_exactly_once_whatever_point_the_driver_dies
 
     # evaluate finds the trained model from the record alone: no tokenizer, no weight hashing
     model_dir = Path(records.for_config(cfg, "train").payload["model_dir"])
-    loaded, _ = kvpop.load_retrofitted(model_dir)
+    loaded, _ = kvpop.load_retrofitted(model_dir, base=cfg.model.resolved_path())
     assert loaded.kvpop_runtime.policy.budget == cfg.budget
 
     def refuse(*args, **kwargs):

@@ -152,7 +152,7 @@ def test_one_step_trains_what_the_policy_trains_and_the_saved_model_decodes_unde
     assert json.loads((out / TRAIN_MARKER).read_text())["policy"] == policy
     weights = sorted(p.name for p in out.glob("*.safetensors"))
     assert weights == (["kvpop_scorers.safetensors"] if policy == "dms" else ["model.safetensors"])
-    loaded, _ = kvpop.load_retrofitted(out)
+    loaded, _ = kvpop.load_retrofitted(out, base=spec.base_path)  # DMS: gates only, the base by identity
     pol = runtime_of(loaded).policy
     assert pol.name == policy and pol.budget == spec.budget and not getattr(pol, "relaxed", False)
     ids = batch["input_ids"][:1]
@@ -195,7 +195,7 @@ def test_a_baseline_trains_through_the_stage_resumes_and_reloads(tiny_targets, t
                                            key=lambda m: m.step)]
         assert targets[-1] == pytest.approx(0.5) and targets[0] > targets[-1]  # the schedule anneals
 
-    loaded, _ = kvpop.load_retrofitted(result.model_dir)
+    loaded, _ = kvpop.load_retrofitted(result.model_dir, base=cfg.model.resolved_path())
     assert runtime_of(loaded).policy.name == policy
     ids = torch.randint(1, 200, (1, 40))
     with torch.no_grad():
