@@ -150,8 +150,6 @@ def test_every_path_module_and_link_the_readme_names_exists():
     assert not missing, f"README.md names what the repository does not have: {sorted(missing)}"
 
 
-
-
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.pretrained
