@@ -500,6 +500,7 @@ def kvpop_attention_forward(module, query, key, value, attention_mask, scaling=N
     runtime = getattr(module, "kvpop_runtime", None)
     if runtime is None:
         raise RuntimeError("this attention module was not retrofitted: call kvpop.retrofit(model, budget, ...) first")
+    check_layer_kwargs(module.layer_idx, runtime.layer_windows, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     valid_cols = attention_mask if (attention_mask is not None and attention_mask.dim() == 2) else None
     if attention_mask is not None and valid_cols is None:
@@ -510,11 +511,42 @@ def kvpop_attention_forward(module, query, key, value, attention_mask, scaling=N
     return sequence_attention(module, runtime, query, key, value, valid_cols, scale), None
 
 
+# what a layer's own forward may pass that changes its attention, and KVpop's attention does not implement
+UNSUPPORTED_KWARGS = {"softcap": "attention logit soft-capping", "s_aux": "attention sinks (s_aux)"}
+
+
+def check_layer_kwargs(layer_idx: int, windows, kwargs) -> None:
+    """Refuse, in one line, what a layer's own forward asks of its attention beyond what was read from its config: a
+    sliding window other than ``windows[layer_idx]`` (``kvpop.local_layers.layer_windows``), soft-capping, sinks."""
+    for name, what in UNSUPPORTED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"layer {layer_idx} asks for {what} ({name}), which KVpop's attention does not "
+                             f"implement: it would change the model")
+    own = windows[layer_idx] if windows else None
+    if kwargs.get("sliding_window") != own:
+        raise ValueError(f"layer {layer_idx} passes sliding_window={kwargs.get('sliding_window')!r} but its config "
+                         f"reads as window {own!r} (kvpop.local_layers): an attention pattern KVpop cannot read")
+
+
+def local_attention(query, key, value, window: int, *, scale: float, backend: str = "auto") -> torch.Tensor:
+    """A local layer's own sliding-window attention over unpadded whole sequences (``[B, Hq, S, D]`` queries, keys
+    ``[B, Hkv, S, D]``): query ``d`` sees ``d - window < t <= d``, transformers' sliding window. Returns
+    ``[B, S, Hq, D]``. The retention rule with ``Budget(0, window, 0)``: a token leaves as it leaves the window."""
+    bsz, _, size, _ = key.shape
+    pos = torch.arange(size, device=key.device)
+    return retention_attention(query, key, value, q_pos=pos.expand(bsz, size), kv_pos=pos.expand(bsz, 1, size),
+                               kv_evict=torch.zeros(bsz, 1, size, dtype=torch.long, device=key.device),
+                               kv_valid=torch.ones(bsz, 1, size, dtype=torch.bool, device=key.device),
+                               budget=Budget(0, window, 0), scale=scale, backend=backend)
+
+
 def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
-    """Queries are the last ``C`` of ``N`` tokens (``C == N`` in training / prefill). Static policies only."""
+    """Queries are the last ``C`` of ``N`` tokens (``C == N`` in training / prefill). Static policies only. A local
+    layer runs its own sliding window (``Runtime.layer_policy``), whatever the model's policy."""
     from kvpop.policies.base import LayerView
 
-    policy = runtime.policy
+    policy = runtime.layer_policy(module.layer_idx)
+    evicting = policy is runtime.policy  # a local layer has no scorer: nothing to collect or relax
     bsz, _, q_len, _ = query.shape
     kv_len = key.shape[2]
     valid, positions = token_positions(valid_cols, bsz, kv_len, key.device)
@@ -532,16 +564,17 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
         if q_len != kv_len:
             raise ValueError("DMS runs one-pass over whole sequences (use_cache=False) or through its own cache")
         decisions = policy.eviction_logits(layer, valid, positions[:, None, :])
-        if runtime.collected is not None:
+        if runtime.collected is not None and evicting:
             runtime.collected[module.layer_idx] = decisions
         evict, log_keep = policy.attention_inputs(decisions, positions[:, None, :])
         return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
                                    kv_valid=valid[:, None], budget=policy.budget, scale=scale, log_keep=log_keep)
     raw = policy.sequence_priorities(layer, key, value, valid, positions[:, None, :])
     ranked = policy.ranked(raw, positions[:, None, :])
-    if runtime.collected is not None:
+    if runtime.collected is not None and evicting:
         runtime.collected[module.layer_idx] = ranked
-    if runtime.soft_tau is not None and policy.budget.topk > 0 and module.layer_idx not in runtime.streaming_layers:
+    if runtime.soft_tau is not None and evicting and policy.budget.topk > 0 \
+            and module.layer_idx not in runtime.streaming_layers:
         return _soft_sequence_attention(query, key, value, ranked, policy, runtime.soft_tau, runtime.soft_relative,
                                         scale, q_pos, positions, valid)
     evict = policy.evictions(raw, positions[:, None, :])

@@ -31,7 +31,11 @@ The cache never holds more than its ``B`` slots per layer plus one layer's ``B +
   decoding would already have evicted, and its scores come from the chunk's queries at once.
   ``KVpopCache(model, dynamic_chunks=False)`` takes a multi-token call token by token instead (teacher forcing).
 
-Memory is constant in the generated length: keys and values ``2 × B × Hkv × head_dim × dtype`` per layer and row,
+A model's local (sliding-window) layers hold a ring of their own window ``W`` instead (``Runtime.layer_policy``: a
+streaming policy of ``Budget(0, W, 0)``), exactly what their base attention sees.
+
+Memory is constant in the generated length: keys and values ``2 × B × Hkv × head_dim × dtype`` per global layer and
+row (``2 × W × …`` per local layer),
 plus per-slot metadata (int64 position, fp32 priority, fp32 attention score for dynamic policies) and the scorer's
 O(window) state. ``KVpopCache.nbytes()`` itemises it.
 """
@@ -533,13 +537,16 @@ class KVpopCache(Cache):
         if policy.budget is None:
             raise ValueError("the dense policy has no budget: decode it with transformers' DynamicCache")
         self.policy = policy
-        layer_class = LAYER_TYPES.get(policy.name, KVpopLayer)
-        if policy.ragged and layer_class is KVpopLayer:
-            raise ValueError(f"policy {policy.name!r} keeps a ragged number of tokens per head, and no cache layer "
-                             f"type is registered for it in kvpop.cache.LAYER_TYPES")
         self.meter = KVMeter()
-        super().__init__(layers=[layer_class(runtime, i, policy, self.meter, dynamic_chunks)
-                                 for i in range(runtime.num_layers)])
+        layers = []
+        for i in range(runtime.num_layers):
+            own = runtime.layer_policy(i, policy)  # a local layer: a ring of its own window (kvpop.local_layers)
+            layer_class = LAYER_TYPES.get(own.name, KVpopLayer)
+            if own.ragged and layer_class is KVpopLayer:
+                raise ValueError(f"policy {own.name!r} keeps a ragged number of tokens per head, and no cache layer "
+                                 f"type is registered for it in kvpop.cache.LAYER_TYPES")
+            layers.append(layer_class(runtime, i, own, self.meter, dynamic_chunks))
+        super().__init__(layers=layers)
 
     @property
     def peak_kv_bytes(self) -> int:
@@ -563,9 +570,16 @@ class KVpopCache(Cache):
         return other
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held: ``kv`` (= B × layers × Hkv × head_dim × 2 × dtype size × batch), metadata, scorer state."""
+        """Bytes held: ``kv`` (= (B × global layers + Σ W over local layers) × Hkv × head_dim × 2 × dtype size ×
+        batch; :func:`kv_slots`), metadata, scorer state."""
         total = {"kv": 0, "metadata": 0, "scorer_state": 0}
         for layer in self.layers:
             for key, value in layer.nbytes().items():
                 total[key] += value
         return total
+
+
+def kv_slots(runtime, policy: Policy | None = None) -> int:
+    """Slots per (row, KV head) over all layers once every slot is filled: ``B`` per global layer plus ``W`` per local
+    layer (METHOD §5); K/V bytes = slots × Hkv × head_dim × 2 × dtype size × batch."""
+    return sum(runtime.layer_policy(i, policy).budget.total for i in range(runtime.num_layers))

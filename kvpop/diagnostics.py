@@ -321,11 +321,11 @@ def attention_model(model, input_ids: torch.Tensor, topks=(), *, batch_size: int
     pass's. Budgets: the policy's and one per extra long-range size in ``topks``.
     """
     from kvpop.online import online_targets, student_priorities
-    from kvpop.retrofit import attention_modules, runtime_of
+    from kvpop.retrofit import runtime_of, scoring_modules
 
     policy = runtime_of(model).policy
     budgets = with_topks(policy.budget, topks)
-    modules = attention_modules(model)
+    modules = scoring_modules(model)  # the evicting layers, as the targets and kept tensors
     found: dict = {str(b): {} for b in budgets}  # budget -> rule -> part -> per layer, the batches' [b, H]
     for batch in input_ids.split(batch_size):
         online = online_targets(model, batch, keep=("queries", "keys", "values"), **(target_options or {}))
@@ -376,5 +376,6 @@ def streaming_layers(model, input_ids: torch.Tensor, *, batch_size: int = 1) -> 
         runtime.streaming_layers = previous
     errors = layer_output_errors(found)[str(runtime.policy.budget)]
     scorer, streaming = errors["scorer"], errors["newest"]
-    return {"layers": [i for i, (a, b) in enumerate(zip(scorer, streaming)) if a > b], "scorer": scorer,
+    layers = runtime.evicting_layers  # the errors are per layer with a scorer (a model's local layers have none)
+    return {"layers": [layers[i] for i, (a, b) in enumerate(zip(scorer, streaming)) if a > b], "scorer": scorer,
             "streaming": streaming}

@@ -410,7 +410,7 @@ def dms_occupancy(model, sequences: Sequence[torch.Tensor], *, batch_size: int =
         ids = torch.stack([torch.as_tensor(sequences[i], dtype=torch.long) for i in rows]).to(device)
         with collect_priorities(model) as collected:
             model(input_ids=ids, use_cache=False)
-        counts.append(retained_per_query([collected[i] for i in range(len(collected))], policy.budget.window))
+        counts.append(retained_per_query([collected[i] for i in sorted(collected)], policy.budget.window))
     counts = torch.cat(counts, dim=1)  # [L, N, Hkv, S]
     total = matched_total(counts, policy.budget.sink + policy.budget.window)
     tail = counts[..., total:]

@@ -42,13 +42,16 @@ def evicting(logits: torch.Tensor, budget: Budget) -> torch.Tensor:
 
 
 def student_forward(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logits [B, S, V], priorities [L, B, Hkv, S])`` of one masked forward of a retrofitted model."""
+    """``(logits [B, S, V], priorities [L, B, Hkv, S])`` of one masked forward of a retrofitted model; ``L`` are its
+    evicting layers (all but a model's local layers, ``Runtime.evicting_layers``), as the teacher's targets."""
     with collect_priorities(model) as collected:
         logits = model(input_ids=input_ids, use_cache=False).logits
-    if len(collected) != runtime_of(model).num_layers:
-        raise ValueError(f"the forward collected priorities of {len(collected)} layers, not "
-                         f"{runtime_of(model).num_layers}: train a static policy with scorers (policy='kvpop')")
-    return logits, torch.stack([collected[i] for i in range(len(collected))]).float()
+    layers = runtime_of(model).evicting_layers
+    if sorted(collected) != list(layers) or not layers:
+        raise ValueError(f"the forward collected priorities of layers {sorted(collected)}, not of the evicting layers "
+                         f"{list(layers)}: train a static policy with scorers (policy='kvpop') on a model with global "
+                         f"layers")
+    return logits, torch.stack([collected[i] for i in layers]).float()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss
 from kvpop.objective import KLThroughMask
 from kvpop.policies.window_attention import window_attention_priorities
-from kvpop.retrofit import attention_modules, collect_priorities, runtime_of
+from kvpop.retrofit import collect_priorities, runtime_of, scorer_window, scoring_modules
 from kvpop.retention import with_recency
 from kvpop.targets import teacher_pass
 
@@ -30,7 +30,11 @@ def _scorer_window(model) -> int:
     runtime = runtime_of(model)
     if runtime.scorer_spec is None or runtime.policy.name != "kvpop":
         raise ValueError("online targets train scorers: retrofit the model with a scorer and the kvpop policy")
-    return attention_modules(model)[0].kvpop_scorer.window
+    window = scorer_window(model)
+    if window is None:
+        raise ValueError("online targets train scorers: every layer of this model is local (its own sliding window), "
+                         "none holds a scorer")
+    return window
 
 
 def online_targets(model, input_ids: torch.Tensor, *, group_reduce: str = "max", query_power: float = 1.0,
@@ -54,7 +58,7 @@ def dense_priorities(model, keys: list[torch.Tensor], values: list[torch.Tensor]
     if runtime.window_attention_prior and queries is None:
         raise ValueError("this model adds the window attention prior to its scorers: pass each layer's queries too")
     out = []
-    for i, (module, k, v) in enumerate(zip(attention_modules(model), keys, values, strict=True)):
+    for i, (module, k, v) in enumerate(zip(scoring_modules(model), keys, values, strict=True)):
         positions = torch.arange(k.shape[2], device=k.device)
         prio = module.kvpop_scorer(k, v)
         if runtime.window_attention_prior:
@@ -70,7 +74,7 @@ def student_priorities(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Ranked priorities ``[layers, B, Hkv, S]`` (with grad) from a forward of the student under its own mask."""
     with collect_priorities(model) as store:
         getattr(model, model.base_model_prefix)(input_ids=input_ids, use_cache=False)  # no LM head: not needed
-    return torch.stack([store[i] for i in range(len(store))]).float()
+    return torch.stack([store[i] for i in runtime_of(model).evicting_layers]).float()
 
 
 def scorer_only_step(model, input_ids: torch.Tensor, *, features: str = "dense", group_reduce: str = "max",

@@ -1,6 +1,7 @@
 """``kvpop.retrofit(model, budget, scorer=...)``: KVpop on a stock transformers decoder, no forked modeling code.
 
-Retrofitting attaches one scorer per attention layer (``self_attn.kvpop_scorer``), a shared :class:`Runtime`, and
+Retrofitting attaches one scorer per global attention layer (``self_attn.kvpop_scorer``; a model's own local,
+sliding-window layers keep their window and get none: :mod:`kvpop.local_layers`), a shared :class:`Runtime`, and
 switches the model's attention implementation to ``"kvpop"`` through transformers' ``AttentionInterface`` and
 ``AttentionMaskInterface`` registries. ``save_retrofitted`` / ``load_retrofitted`` round-trip it through a plain
 folder: ``kvpop.json`` and ``kvpop_scorers.safetensors``, plus either the base model as transformers saves it (format 1)
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import shutil
@@ -36,6 +38,7 @@ from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.dms import DMSGate, attach_gates
 from kvpop.files import model_identity, sha256_file, tensors_digest, weights_digest
+from kvpop.local_layers import layer_windows
 from kvpop.decode import chunk_bounds, padded_positions, prefill
 from kvpop.policies import Policy, build_policy
 from kvpop.scorers import build_scorer
@@ -75,6 +78,29 @@ class Runtime:
     # temperature, so that a loss on the logits reaches the scorers through the mask (METHOD §3, KL through the mask)
     soft_tau: float | None = None
     soft_relative: bool = False  # soft_tau times each row's priority spread (kvpop.attention.soft_temperature)
+    # per layer, the base's own window (kvpop.local_layers.layer_windows): None = global, W = a local layer that keeps
+    # exactly its sliding window of W tokens whatever the policy (no scorer, no budget)
+    layer_windows: tuple = ()
+
+    @property
+    def evicting_layers(self) -> tuple[int, ...]:
+        """The global layers, which the policy's budget bounds (all layers unless the model has local ones)."""
+        if not self.layer_windows:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, window in enumerate(self.layer_windows) if window is None)
+
+    def layer_policy(self, layer_idx: int, policy: Policy | None = None) -> Policy:
+        """The policy layer ``layer_idx`` runs: ``policy`` (default the model's) in a global layer; in a local one
+        its own sliding window, as the base has it — a streaming policy of ``Budget(0, W, 0)``."""
+        window = self.layer_windows[layer_idx] if self.layer_windows else None
+        if window is None:
+            return policy if policy is not None else self.policy
+        return _local_policy(window)
+
+
+@functools.cache
+def _local_policy(window: int) -> Policy:
+    return build_policy("streaming", Budget(0, window, 0))
 
 
 def _register() -> None:
@@ -119,6 +145,7 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
     """
     layers = attention_modules(model)
     num_layers, heads, kv_heads, head_dim = _shape(model)
+    windows = layer_windows(model.config)  # refuses, in one line, an attention pattern it cannot read
     if budget is not None:
         context = getattr(model.config, "max_position_embeddings", None)
         if context is not None and budget.total > context:
@@ -139,13 +166,14 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
         window = (budget or pol.budget).window
         options = scorer_options or {}
         spec = {"name": scorer, **options}
+        evicting = [module for module, own in zip(layers, windows) if own is None]  # local layers keep their window
         if scorer == DMSGate.name:  # DMS's gates read the layers' hidden states, not [k; v]
-            attach_gates(layers, model.config.hidden_size, kv_heads, window, device, **options)
+            attach_gates(evicting, model.config.hidden_size, kv_heads, window, device, **options)
         else:
-            for module in layers:
+            for module in evicting:
                 module.kvpop_scorer = build_scorer(scorer, kv_heads, head_dim, window, **options).to(device)
     base_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
-    runtime = Runtime(pol, num_layers, heads, kv_heads, head_dim, base_impl, spec)
+    runtime = Runtime(pol, num_layers, heads, kv_heads, head_dim, base_impl, spec, layer_windows=windows)
     for module in layers:
         module.kvpop_runtime = runtime  # a plain attribute: not a submodule, not in the state dict
     model.kvpop_runtime = runtime
@@ -200,8 +228,8 @@ def set_policy(model: nn.Module, policy: str | Policy, budget: Budget | None = N
             options.setdefault(name, getattr(runtime.policy, name))
     pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, **options)
     if pol.budget is not None and runtime.scorer_spec is not None and pol.name == "kvpop":
-        window = attention_modules(model)[0].kvpop_scorer.window
-        if pol.budget.window != window:
+        window = scorer_window(model)
+        if window is not None and pol.budget.window != window:
             raise ValueError(f"the scorers read priorities {window} tokens late (their window); a budget with window "
                              f"{pol.budget.window} needs scorers trained for it")
     runtime.policy = pol
@@ -219,6 +247,10 @@ def set_streaming_layers(model: nn.Module, layers) -> frozenset[int]:
         raise ValueError(f"streaming layers must be layer indices 0 … {runtime.num_layers - 1}, got {bad}")
     if chosen and runtime.scorer_spec is None:
         raise ValueError("streaming layers stand in for scorers: this model has none (retrofit with a scorer)")
+    local = sorted(chosen - set(runtime.evicting_layers))
+    if local:
+        raise ValueError(f"layers {local} are the model's own local (sliding-window) layers: they hold no scorer to "
+                         f"stand in for (streaming layers are among {list(runtime.evicting_layers)})")
     runtime.streaming_layers = chosen
     return chosen
 
@@ -239,10 +271,13 @@ def set_window_attention_prior(model: nn.Module, on: bool = True) -> bool:
 
 @contextlib.contextmanager
 def oracle_priorities(model: nn.Module, targets: torch.Tensor):
-    """Make the oracle policy read ``targets [layers, B, Hkv, S]`` (teacher future attention) within the block."""
+    """Make the oracle policy read ``targets [layers, B, Hkv, S]`` (teacher future attention) within the block; the
+    layers are the evicting ones (``Runtime.evicting_layers``: all but a model's local layers), as
+    :func:`kvpop.targets.teacher_pass` returns them."""
     runtime = runtime_of(model)
-    if targets.dim() != 4 or targets.shape[0] != runtime.num_layers or targets.shape[2] != runtime.num_kv_heads:
-        raise ValueError(f"oracle targets must be [layers={runtime.num_layers}, B, Hkv={runtime.num_kv_heads}, S], "
+    layers = len(runtime.evicting_layers)
+    if targets.dim() != 4 or targets.shape[0] != layers or targets.shape[2] != runtime.num_kv_heads:
+        raise ValueError(f"oracle targets must be [evicting layers={layers}, B, Hkv={runtime.num_kv_heads}, S], "
                          f"got {tuple(targets.shape)}")
     previous, runtime.oracle = runtime.oracle, targets
     try:
@@ -290,9 +325,21 @@ def soft_retention(model: nn.Module, tau: float, relative: bool = False, recency
         runtime.soft_tau, runtime.soft_relative, runtime.policy = previous
 
 
+def scoring_modules(model: nn.Module) -> list[nn.Module]:
+    """The attention modules that hold a scorer: the evicting layers' (``Runtime.evicting_layers``), in order."""
+    return [m for m in attention_modules(model) if hasattr(m, "kvpop_scorer")]
+
+
 def scorers(model: nn.Module) -> nn.ModuleList:
-    """The per-layer scorers, in layer order (a view: they stay attached to their attention modules)."""
-    return nn.ModuleList([m.kvpop_scorer for m in attention_modules(model) if hasattr(m, "kvpop_scorer")])
+    """The per-layer scorers, in layer order (a view: they stay attached to their attention modules); a model's local
+    layers have none."""
+    return nn.ModuleList([m.kvpop_scorer for m in scoring_modules(model)])
+
+
+def scorer_window(model: nn.Module) -> int | None:
+    """How late the scorers read a priority (their window); ``None`` without scorers."""
+    found = scoring_modules(model)
+    return found[0].kvpop_scorer.window if found else None
 
 
 def _describe(model: nn.Module) -> dict:
@@ -307,7 +354,7 @@ def _describe(model: nn.Module) -> dict:
         "anchor_share": pol.anchor_share,
         "anchor_recency": pol.anchor_recency,
         "scorer": runtime.scorer_spec,
-        "scorer_window": attention_modules(model)[0].kvpop_scorer.window if runtime.scorer_spec else None,
+        "scorer_window": (scorer_window(model) or (budget and budget.window)) if runtime.scorer_spec else None,
         "streaming_layers": sorted(runtime.streaming_layers),
         "window_attention_prior": runtime.window_attention_prior,
         "num_layers": runtime.num_layers,
@@ -349,7 +396,7 @@ def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None, *, base
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     if runtime.scorer_spec is not None:
-        weights = {f"layers.{i}.{k}": v.detach().cpu().contiguous() for i, m in enumerate(attention_modules(model))
+        weights = {f"layers.{m.layer_idx}.{k}": v.detach().cpu().contiguous() for m in scoring_modules(model)
                    for k, v in m.kvpop_scorer.state_dict().items()}
         save_file(weights, str(path / SCORERS_FILE))
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
@@ -372,7 +419,13 @@ def load_scorers(model: nn.Module, path: str | Path) -> None:
         raise ValueError(f"the checkpoint holds {meta.get('scorer')} scorers but the model was retrofitted with "
                          f"{runtime.scorer_spec}: retrofit with scorer={meta.get('scorer', {}).get('name')!r}")
     weights = load_file(str(path / SCORERS_FILE))
-    for i, module in enumerate(attention_modules(model)):
+    saved = sorted({int(k.split(".")[1]) for k in weights})
+    scored = [m.layer_idx for m in scoring_modules(model)]
+    if saved != scored:
+        raise ValueError(f"the scorer checkpoint in {path} holds scorers for layers {saved}, this model scores layers "
+                         f"{scored} (its global layers): load it into the model it was trained with")
+    for module in scoring_modules(model):
+        i = module.layer_idx
         prefix = f"layers.{i}."
         state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
         try:

@@ -22,7 +22,8 @@ import math
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
-from kvpop.attention import flex
+from kvpop.attention import check_layer_kwargs, flex, local_attention
+from kvpop.local_layers import layer_windows
 
 GROUP_REDUCTIONS = ("max", "mean", "sum")
 
@@ -212,7 +213,7 @@ def future_attention_targets_dense(q, k, window, *, scale=None, group_reduce="ma
 
 
 # -----------------------------------------------------------------------------
-# the teacher pass: one dense forward that also yields every layer's targets and the top-K next-token logits
+# the teacher pass: one dense forward that also yields every global layer's targets and the top-K next-token logits
 
 TEACHER_ATTN = "kvpop_teacher"
 KEEPABLE = frozenset({"queries", "keys", "values"})
@@ -243,8 +244,9 @@ def causal_attention_with_lse(q, k, v, *, scale: float, backend: str = "auto"):
 
 
 class _TeacherRecorder:
-    def __init__(self, windows, group_reduce, backend, keep=(), query_power=1.0):
+    def __init__(self, windows, group_reduce, backend, keep=(), query_power=1.0, layer_windows=()):
         self.windows, self.group_reduce, self.backend = tuple(windows), group_reduce, backend
+        self.layer_windows = tuple(layer_windows)  # the model's own windows: None = a global layer
         self.query_power = query_power
         self.targets: dict[int, dict[int, torch.Tensor]] = {w: {} for w in self.windows}
         self.kept: dict[str, dict[int, torch.Tensor]] = {name: {} for name in keep}
@@ -259,6 +261,10 @@ def _teacher_attention_forward(module, query, key, value, attention_mask, scalin
     if query.shape[2] != key.shape[2]:
         raise ValueError("the teacher pass is one full forward: no cache")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    check_layer_kwargs(module.layer_idx, recorder.layer_windows, kwargs)
+    own = recorder.layer_windows[module.layer_idx]
+    if own is not None:  # a local layer: the model's own sliding window, and no targets (KVpop never evicts there)
+        return local_attention(query, key, value, own, scale=scale, backend=_resolve(recorder.backend, query)), None
     out, lse = causal_attention_with_lse(query, key, value, scale=scale, backend=recorder.backend)
     for window in recorder.windows:
         recorder.targets[window][module.layer_idx] = future_attention_targets(
@@ -292,6 +298,9 @@ def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, g
     ``top_k=0`` skips the logits (scorer-only training needs none). ``keep`` names any of ``"queries"``,
     ``"keys"``, ``"values"`` to return too: per layer, the ``[B, H, S, D]`` tensors attention saw (keys and values
     are a scorer's inputs). ``group_reduce`` and ``query_power``: :func:`future_attention_targets`'s.
+
+    A model with local (sliding-window) layers (:mod:`kvpop.local_layers`) runs them with their own window, and
+    ``layers`` (of the targets and the kept tensors) are its global layers only, in order — the layers that evict.
     """
     windows = sorted({int(w) for w in windows})
     if not windows or windows[0] < 1:
@@ -302,7 +311,8 @@ def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, g
     _register_teacher()
     attn_modules = [m for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)
                     and hasattr(m, "k_proj")]
-    recorder = _TeacherRecorder(windows, group_reduce, backend, keep, query_power)
+    own_windows = layer_windows(model.config)
+    recorder = _TeacherRecorder(windows, group_reduce, backend, keep, query_power, own_windows)
     previous = model.config._attn_implementation
     for module in attn_modules:
         module._kvpop_teacher_recorder = recorder
@@ -314,15 +324,18 @@ def teacher_pass(model, input_ids: torch.Tensor, windows, *, top_k: int = 256, g
         model.config._attn_implementation = previous
         for module in attn_modules:
             del module._kvpop_teacher_recorder
-    layers = len(attn_modules)
-    out = {"targets": {w: torch.stack([recorder.targets[w][i] for i in range(layers)]) for w in windows}}
+    layers = [i for i, own in enumerate(own_windows) if own is None]  # kvpop.local_layers.evicting_layers
+    out = {"targets": {w: torch.stack([recorder.targets[w][i] for i in layers]) for w in windows}}
     for name, per_layer in recorder.kept.items():
-        out[name] = [per_layer[i] for i in range(layers)]
+        out[name] = [per_layer[i] for i in layers]
     if top_k > 0:
         head = model.get_output_embeddings()
+        cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)  # Gemma 2: as its forward does
         values, indices = [], []
         for start in range(0, hidden.shape[1], logits_chunk):
             logits = head(hidden[:, start:start + logits_chunk]).float()
+            if cap is not None:
+                logits = torch.tanh(logits / cap) * cap
             top = logits.topk(min(top_k, logits.shape[-1]), dim=-1)
             values.append(top.values)
             indices.append(top.indices)

@@ -58,9 +58,10 @@ import champ_dataset
 import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 from kvpop.files import atomic_write_bytes, atomic_write_text
+from kvpop.local_layers import layer_windows
 from kvpop.pretrained import ModelConfigError, PretrainedMissingError, read_model_config
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
 from pipelines.identity import file_digest, folder_digest, tokenizer_digest
@@ -287,7 +288,8 @@ def plant_recall(rows: list[dict], tokenizer, *, fraction: float, seed: int) -> 
 # ----------------------------------------------------------------------------------------------- cache
 def check_inputs(cfg: PipelineConfig) -> None:
     """What every stage can check before it writes anything, without Ray: the teacher folder is loadable
-    (``read_model_config``: files present, ``model_type`` named), a local data source (and mix source) exists, and
+    (``read_model_config``: files present, ``model_type`` named) and its attention pattern one KVpop reproduces
+    (``kvpop.local_layers``), a local data source (and mix source) exists, and
     the budget fits the model's context. Raises :class:`ConfigError` with one line."""
     model = cfg.model.resolved_path()
     try:
@@ -296,6 +298,10 @@ def check_inputs(cfg: PipelineConfig) -> None:
         raise ConfigError(missing_message(model) if cfg.model.path == "smollm2" else f"model.path: {err}") from None
     except ModelConfigError as err:
         raise ConfigError(f"model.path: {err}") from None
+    try:  # an attention pattern KVpop cannot reproduce (kvpop.local_layers), before anything is written
+        layer_windows(AutoConfig.from_pretrained(model, local_files_only=True))
+    except ValueError as err:
+        raise ConfigError(f"model.path {model}: {str(err).strip().splitlines()[0]}") from None
     total = cfg.budget.total
     if isinstance(context, int) and total > context:
         raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "

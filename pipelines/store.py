@@ -21,7 +21,9 @@ column              type                            meaning
 ``id``              string                          the sequence's stable id (``train-000123``)
 ``input_ids``       int32 tensor ``[S]``            token ids
 ``targets_w<w>``    float32 tensor ``[L, Hkv, S]``  ``y[l, g, t]`` for window ``w`` (METHOD §2);
-                                                    ``-inf`` where ``t + w >= S`` (no deciding query)
+                                                    ``-inf`` where ``t + w >= S`` (no deciding query);
+                                                    ``L`` the teacher's global layers (all, unless it
+                                                    has local ones: identity ``target_layers``)
 ``topk_values``     float32 tensor ``[S, K]``       the teacher's top-K next-token logits at each position
 ``topk_indices``    int32 tensor ``[S, K]``         their vocabulary ids
 ==================  ==============================  ==================================================
@@ -50,6 +52,7 @@ import pyarrow.parquet as pq
 from transformers import AutoConfig
 
 from kvpop.files import LockedError, atomic_write_bytes, atomic_write_text, exclusive_lock, sha256_file
+from kvpop.local_layers import UnsupportedAttention, evicting_layers
 from pipelines.config import ConfigError, PipelineConfig, PrecomputeConfig, fingerprint
 from pipelines.data import data_fingerprint
 from pipelines.identity import teacher_identity
@@ -84,11 +87,17 @@ def target_identity(cfg: PipelineConfig, tokenizer=None) -> dict:
                           f"at a saved Hugging Face folder")
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     p = cfg.precompute
+    try:
+        evicting = evicting_layers(config)  # targets exist for the global layers only (kvpop.local_layers)
+    except UnsupportedAttention as err:
+        raise ConfigError(f"model.path {path}: {err}") from None
+    # a model with local layers names which layers its targets cover; one without keeps the identity it always had
+    hybrid = {"target_layers": list(evicting)} if len(evicting) != config.num_hidden_layers else {}
     return {
         "kind": "kvpop.targets", "schema_version": SCHEMA_VERSION, "teacher": teacher_identity(cfg),
         "data": data_fingerprint(cfg, tokenizer), "split": SPLIT, "seq_len": cfg.data.seq_len,
         "windows": sorted({int(w) for w in p.windows}), "top_k": p.top_k, "group_reduce": p.group_reduce,
-        "sequences_per_shard": p.sequences_per_shard, "num_layers": config.num_hidden_layers,
+        "sequences_per_shard": p.sequences_per_shard, "num_layers": len(evicting), **hybrid,
         "num_kv_heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         "vocab_size": config.vocab_size, **p.optional_settings(),
     }

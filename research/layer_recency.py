@@ -59,11 +59,12 @@ def load_with_layer_recency(folder: Path, meta: dict, cfg, device: str):
     from safetensors.torch import load_file
 
     from research.learning_curves import retrofitted_base
-    from kvpop.retrofit import attention_modules
+    from kvpop.retrofit import scoring_modules
 
     model = retrofitted_base(meta, cfg, device, scorer_options={"head_recency": True})
     weights = load_file(str(folder / "kvpop_scorers.safetensors"))
-    for i, module in enumerate(attention_modules(model)):
+    for module in scoring_modules(model):
+        i = module.layer_idx
         prefix = f"layers.{i}."
         state = {k[len(prefix):]: v.to(device) for k, v in weights.items() if k.startswith(prefix)}
         missing, unexpected = module.kvpop_scorer.load_state_dict(state, strict=False)

@@ -2,26 +2,42 @@
 from __future__ import annotations
 
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
 
 ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
 }
+# models with their own local (sliding-window) layers, each with a window of LOCAL_WINDOW tokens (kvpop.local_layers):
+# name -> (config, model, layers, config options); the layouts their configs give (local L / global G):
+LOCAL_WINDOW = 8
+LOCAL_ARCHS = {
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, 4, {"head_dim": 16, "attn_logit_softcapping": None}),  # L G L G
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, 6, {"head_dim": 16}),  # L L L L L G
+    "mistral_window": (MistralConfig, MistralForCausalLM, 2, {}),  # L L: Mistral's window is every layer's
+    "qwen2_window": (Qwen2Config, Qwen2ForCausalLM, 4, {"use_sliding_window": True, "max_window_layers": 2}),  # G G L L
+}
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 
-def tiny_model(arch: str = "llama", heads: str = "gqa", *, layers: int = 2, vocab: int = 97, seed: int = 0):
-    config_cls, model_cls = ARCHS[arch]
+def tiny_model(arch: str = "llama", heads: str = "gqa", *, layers: int | None = None, vocab: int = 97, seed: int = 0):
+    """``arch`` from :data:`ARCHS` (``layers`` default 2) or :data:`LOCAL_ARCHS` (its own layer count by default)."""
     q_heads, kv_heads = HEADS[heads]
-    extra = {"head_dim": 16} if arch == "qwen3" else {}
-    if arch == "mistral":
-        extra["sliding_window"] = None
-    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                        num_attention_heads=q_heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
-                        pad_token_id=0, bos_token_id=None, eos_token_id=None, **extra)
+    if arch in LOCAL_ARCHS:
+        config_cls, model_cls, default_layers, extra = LOCAL_ARCHS[arch]
+        extra = {**extra, "sliding_window": LOCAL_WINDOW}
+    else:
+        (config_cls, model_cls), default_layers = ARCHS[arch], 2
+        extra = {"head_dim": 16} if arch == "qwen3" else {}
+        if arch == "mistral":
+            extra["sliding_window"] = None
+    config = config_cls(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                        num_hidden_layers=layers or default_layers, num_attention_heads=q_heads,
+                        num_key_value_heads=kv_heads, max_position_embeddings=1024, pad_token_id=0, bos_token_id=None,
+                        eos_token_id=None, **extra)
     torch.manual_seed(seed)
     return model_cls(config).eval()
 

@@ -21,8 +21,8 @@ class Oracle(StaticPolicy):
         table = layer.runtime.oracle
         if table is None:
             raise RuntimeError("the oracle policy needs the teacher's targets: wrap the call in "
-                               "`with kvpop.oracle_priorities(model, targets):` (targets [layers, B, Hkv, S])")
-        per_layer = table[layer.layer_idx]  # [B, Hkv, S]
+                               "`with kvpop.oracle_priorities(model, targets):` (targets [global layers, B, Hkv, S])")
+        per_layer = table[layer.runtime.evicting_layers.index(layer.layer_idx)]  # [B, Hkv, S]: global layers only
         if per_layer.shape[1] != num_kv_heads:
             raise ValueError(f"oracle targets have {per_layer.shape[1]} KV heads, the model {num_kv_heads}")
         index = positions.long().clamp(0, per_layer.shape[-1] - 1).expand(per_layer.shape[0], num_kv_heads, -1)
