@@ -7,6 +7,8 @@ in order, each the whole pipeline, a phase starting from an earlier one's model 
 resumes (finished phases are reused through their records). A missing recipe input is refused in one line naming the
 command that makes it, before anything is written.
 
+An online run (``train.targets_source=online``: its steps compute their own targets) skips the precompute stage.
+
 With ``sweep.in_pipeline=true`` the sweep runs after precompute and the train and evaluate stages use its best config
 (``<sweep dir>/best.yaml``). The README's run command: on the embedded default it runs SmolLM2-135M-Instruct on a
 local Ray cluster with a local MLflow store, and ends with the command that shows its runs in ``mlflow ui``.

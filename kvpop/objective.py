@@ -91,14 +91,19 @@ class Objective:
         """``student`` priorities and ``teacher_targets`` ``[..., S]`` (e.g. ``[L, B, Hkv, S]``), ``logits [B, S, V]``,
         the teacher's ``topk_values``/``topk_indices [B, S, K]``; returns ``loss``, ``ret_loss``, ``kl`` and
         ``boundary_acc`` (scalar tensors; ``loss`` carries the gradient)."""
+        ranking = self.ranking(student, teacher_targets)
+        kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting(logits, self.budget))
+        return {"loss": kl + self.beta * ranking["ret_loss"], "kl": kl, **ranking}
+
+    def ranking(self, student: torch.Tensor, teacher_targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ranking terms alone (no logits): ``ret_loss`` (with the gradient) and ``boundary_acc``."""
         teacher = with_recency(teacher_targets.float(), self.recency)
         decisions = boundary_decisions(teacher, self.budget)
         ret = retention_loss(student, teacher, self.budget, tau=self.tau, weight=self.weight, topks=self.extra_topks,
                              decisions=decisions)
-        kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting(logits, self.budget))
         with torch.no_grad():
             accuracy = boundary_agreement(student.detach(), decisions)
-        return {"loss": kl + self.beta * ret, "ret_loss": ret, "kl": kl, "boundary_acc": accuracy}
+        return {"ret_loss": ret, "boundary_acc": accuracy}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from kvpop.allocation import MODES as ALLOCATION_MODES
 from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule
 from kvpop.objective import TRAIN_POLICIES
+from kvpop.online import FEATURE_SOURCES as ONLINE_FEATURES
 from kvpop.parameters import TRAIN_MODES
 from kvpop.policies import POLICIES
 from kvpop.scorers import SCORERS
@@ -189,6 +190,22 @@ class TrainConfig:
     #     another run's final_model) whose scorers a fresh run starts from: fine-tuning. Same scorer and options, same
     #     budget.window, same base weights (checked before training); a run resuming its own checkpoint ignores it.
     #     The run's identity holds the folder's scorer weights digest, not its path (pipelines.identity.init_identity)
+    targets_source: str = "stored"  # stored (the precompute stage's targets) | online (policy kvpop, scorer_only: the
+    #     frozen base is the teacher, each step runs its dense pass + the transposed target pass; no precompute stage)
+    online_features: str = "student"  # online: what the scorers read — student (the keys and values of the student's
+    #     own sparse forward, as on stored targets) | dense (those of the step's dense teacher pass: one forward less,
+    #     the scorers' inputs as dense attention saw them; the KL of the sparse forward is then not measured)
+    warmup_steps: int = 0  # the learning rate rises linearly over these first steps (lr * step / warmup_steps)
+    schedule: str = "constant"  # constant | cosine (after the warm-up, lr decays to 0 over the run's train.steps:
+    #     then train.steps is part of what is optimised, and a cosine run is not lengthened by resuming it)
+    shuffle_seed: int | None = None  # null: rows in file order every epoch; an int: epoch e reads the rows in a
+    #     permutation drawn from (shuffle_seed, e) (pipelines.train.epoch_permutation)
+    eval_every: int = 0  # held-out evaluation every this many steps (and at the last), logged as the run's MLflow
+    #     metrics heldout.* (pipelines.heldout); 0 = none
+    eval_sequences: int = 0  # held-out sequences it evaluates: the first N of the data stage's eval split (0 = all
+    #     data.eval_sequences)
+    eval_recall_samples: int = 0  # samples per recall cell (eval.tasks x eval.task_contexts x eval.task_depths) it
+    #     also measures greedy exact match on (heldout.recall_exact: headline cells); 0 = none
 
     DMS_KEYS: ClassVar[tuple[str, ...]] = ("dms_keep_rate", "dms_schedule_steps", "dms_temperature", "dms_keep_weight")
     KVPOP_KEYS: ClassVar[tuple[str, ...]] = ("scorer", "scorer_options", "beta", "tau", "recency", "loss_weight",
@@ -196,7 +213,11 @@ class TrainConfig:
     # settings that do not change what is optimised: left out of the run-name hash so a restart resumes
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
         "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "checkpoint_every",
-        "max_failures", "log_every", "targets", "fail_at_step", "run_name", "output_root")
+        "max_failures", "log_every", "targets", "fail_at_step", "run_name", "output_root", "eval_every",
+        "eval_sequences", "eval_recall_samples")
+    # settings that came after runs were first named: in the run-name hash only away from their default
+    LATER: ClassVar[dict[str, Any]] = {"targets_source": "stored", "online_features": "student", "warmup_steps": 0,
+                                       "schedule": "constant", "shuffle_seed": None}
 
     def __post_init__(self):
         _require([
@@ -221,6 +242,22 @@ class TrainConfig:
              "train.init_from is a saved scorer folder for train.policy=kvpop (null: scorers start fresh)"),
             (self.dms_temperature > 0 and self.dms_keep_weight >= 0,
              "train.dms_temperature must be > 0 and train.dms_keep_weight >= 0"),
+            (self.targets_source in ("stored", "online"), "train.targets_source must be stored or online"),
+            (self.targets_source != "online" or (self.policy == "kvpop" and self.mode == "scorer_only"),
+             "train.targets_source=online needs train.policy=kvpop and train.mode=scorer_only (the frozen base is the "
+             "teacher): distill and the baselines train on stored targets"),
+            (self.targets_source != "online" or not self.targets,
+             "train.targets names stored targets: drop it for train.targets_source=online"),
+            (self.online_features in ONLINE_FEATURES, f"train.online_features must be one of "
+                                                       f"{', '.join(ONLINE_FEATURES)}"),
+            (self.online_features == "student" or self.targets_source == "online",
+             "train.online_features=dense reads the step's own dense pass: set train.targets_source=online"),
+            (self.schedule in ("constant", "cosine"), "train.schedule must be constant or cosine"),
+            (self.warmup_steps >= 0, "train.warmup_steps must be >= 0"),
+            (self.eval_every >= 0 and self.eval_sequences >= 0 and self.eval_recall_samples >= 0,
+             "train.eval_every, train.eval_sequences and train.eval_recall_samples must be >= 0"),
+            (not self.eval_every or self.policy == "kvpop",
+             "train.eval_every evaluates the scorers: it is for train.policy=kvpop"),
         ])
         if self.policy == "dms":
             self.dms_schedule()
@@ -254,13 +291,23 @@ class TrainConfig:
     def optimisation(self) -> dict[str, Any]:
         """The settings that change what is optimised (everything but :attr:`OPERATIONAL`; the policy and the DMS
         settings only where they apply — a kvpop run keeps the name it had before they existed — and the scorer and
-        ranking-loss settings only for policy kvpop; ``extra_topks`` only when set, for the same reason). Never
+        ranking-loss settings only for policy kvpop; ``extra_topks`` and the :attr:`LATER` settings only away from
+        their default, for the same reason; ``steps`` with the cosine schedule, whose decay spans the run). Never
         ``init_from``: a path; what it changes is its weights digest, which the run's keys add
         (:func:`pipelines.identity.init_identity`) so that a moved folder is the same run."""
         skip = set(self.OPERATIONAL) | {"init_from"} | (set() if self.policy == "dms" else set(self.DMS_KEYS))
         skip |= {"policy"} if self.policy == "kvpop" else set(self.KVPOP_KEYS)
         skip |= set() if self.extra_topks else {"extra_topks"}
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        skip |= {k for k, default in self.LATER.items() if getattr(self, k) == default}
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+        if self.schedule == "cosine":  # the decay spans the run: its length is what is optimised
+            out["steps"] = self.steps
+        return out
+
+    @property
+    def online(self) -> bool:
+        """Targets computed inside each step (``targets_source=online``): no precompute stage, no stored targets."""
+        return self.targets_source == "online"
 
 
 @dataclass(frozen=True)
@@ -393,6 +440,11 @@ class PipelineConfig:
     def __post_init__(self):
         """Each section has checked itself; here, the rules between sections."""
         budget = self.budget
+        if self.train.eval_sequences > self.data.eval_sequences:
+            raise ConfigError(f"train.eval_sequences={self.train.eval_sequences} is more than the data stage's "
+                              f"{self.data.eval_sequences} held-out sequences (data.eval_sequences)")
+        if self.train.eval_every and self.data.eval_sequences < 1:
+            raise ConfigError("train.eval_every evaluates held-out sequences: set data.eval_sequences >= 1")
         if budget.window not in self.precompute.windows:
             raise ConfigError(f"budget.window={budget.window} has no targets: add it to precompute.windows "
                               f"(now {list(self.precompute.windows)})")

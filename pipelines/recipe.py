@@ -194,9 +194,12 @@ def run_pipeline(cfg: PipelineConfig, *, evaluate_model: bool = True, label: str
             f"{done.payload['model_dir']}")
         model, run_id = Path(done.payload["model_dir"]), done.payload["mlflow_run_id"]
     else:
-        say(f"1/{stages} precompute teacher targets")
-        targets = precompute.run(cfg)
-        say(f"    {targets.path} ({targets.shards} shards, {targets.computed} computed now)")
+        if cfg.train.online:  # each training step computes its own targets: nothing to precompute
+            say(f"1/{stages} precompute: skipped (train.targets_source=online)")
+        else:
+            say(f"1/{stages} precompute teacher targets")
+            targets = precompute.run(cfg)
+            say(f"    {targets.path} ({targets.shards} shards, {targets.computed} computed now)")
         if cfg.sweep.in_pipeline:
             say(f"2/{stages} sweep")
             swept = sweep.run(cfg)

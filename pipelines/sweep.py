@@ -129,6 +129,9 @@ def plan(cfg: PipelineConfig) -> Plan:
     """Everything the sweep will do, validated; writes nothing and starts no Ray (see the module docstring)."""
     cfg = dataclasses.replace(cfg, home=str(cfg.home_dir()))
     sw = cfg.sweep
+    if cfg.train.online:
+        raise ConfigError("the sweep's trials read precomputed targets: set train.targets_source=stored (and run the "
+                          "precompute stage) to sweep")
     points = variants(cfg)
     if not points:
         raise ConfigError("the sweep has no trials: sweep.scorers, sweep.lrs or sweep.budgets is empty")

@@ -1,4 +1,4 @@
-"""Stage 2: train the retrofitted student on precomputed teacher targets with Ray Train (V2), tracked in MLflow.
+"""Stage 2: train the retrofitted student on teacher targets with Ray Train (V2), tracked in MLflow.
 
 ``run(cfg)``, in the driver:
 
@@ -6,20 +6,28 @@
    one the precompute stage recorded for this config (:mod:`pipelines.records`); :func:`pipelines.store.open_targets`
    refuses it unless its identity matches this config (teacher weights, dtype, data, S, top-K, group reduction) and
    it holds ``budget.window``, is complete and intact — one :class:`~pipelines.store.TargetsError` line, no MLflow
-   run, no run directory. ``train.init_from`` (a saved scorer folder to start from) must hold scorers of this
-   scorer and options, window and base weights (:func:`check_init_from`), else one :class:`ConfigError` line.
+   run, no run directory. An **online** run (``train.targets_source=online``: scorer-only, each step computes its own
+   targets from the frozen base) reads the data stage's training sequences instead (:class:`OnlineSequences`).
+   ``train.init_from`` (a saved scorer folder to start from) must hold scorers of this scorer and options, window
+   and base weights (:func:`check_init_from`), and the held-out items of ``train.eval_every`` must exist
+   (:func:`pipelines.heldout.check_heldout`), else one :class:`ConfigError` line.
 2. The **stable run name** (``train.run_name`` or ``<config name>-<what trains>-<mode>-<budget>-<hash>``, what trains
    the scorer, ``dms`` or ``streaming+`` (``train.policy``: :func:`objective_of`), the hash over
-   the targets and every setting that changes the optimisation — not over ``steps``, worker counts, precision or
-   checkpoint cadence, so that a restart, a longer run or a run on other hardware resumes; with ``train.init_from``,
-   its scorer weights' digest, not its path: :func:`pipelines.identity.init_identity`).
+   the targets (an online run: the identity its targets would have) and every setting that changes the
+   optimisation — not over ``steps`` (unless the cosine schedule spans them), worker counts, precision, checkpoint
+   cadence or held-out evaluation, so that a restart, a longer run or a run on other hardware resumes; with
+   ``train.init_from``, its scorer weights' digest, not its path: :func:`pipelines.identity.init_identity`).
 3. **Train** unless the run's final model already holds ``train.steps`` steps: the MLflow run found by name (else a
    new one, the whole config as params) receives the workers' metric histories; a ``TorchTrainer`` named after the
    run (:func:`make_trainer`; workers run :func:`pipelines.train_worker.train_loop` with a
    :class:`~pipelines.train_worker.TrainSpec`) resumes from the run's last checkpoint if there is one (a fresh run
    starts its scorers from ``train.init_from`` if set; a resumed one from its own checkpoint, whatever init_from).
    Fewer steps than the run's final model holds is refused: a run only grows.
-4. **Commit, exactly once**: log the final model as the run's ``model`` artifact (unless already there), tag it,
+   The rows reach the workers as one Ray Dataset in the run's order: file order every epoch, or — online, or with
+   ``train.shuffle_seed`` — epoch after epoch in :func:`epoch_permutation`'s order (:func:`ordered_dataset`), so a
+   resumed run skips exactly the batches it trained on.
+4. **Commit, exactly once**: log the final model as the run's ``model`` artifact (unless already there) and, with
+   ``train.eval_every``, the learning curve drawn from its held-out metrics (:data:`CURVE_ARTIFACT`), tag it,
    end the run ``FINISHED``, then write the train record — the commit point. A driver killed anywhere before the
    record leaves a final model without a record: the next run completes the same MLflow run instead of training.
    With a record for ``train.steps`` steps, ``run`` returns it without starting Ray.
@@ -35,17 +43,24 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from kvpop.budget import Budget
 from kvpop.objective import DMSObjective, Objective, StreamingObjective
 from kvpop.retrofit import check_scorer_folder
 from pipelines import records, store, tracking
 from pipelines.cluster import ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, env_home, fingerprint
-from pipelines.data import load_tokenizer
+from pipelines.curves import plot_learning_curve
+from pipelines.data import load_sequences, load_tokenizer, sequences_dir
+from pipelines.heldout import check_heldout
 from pipelines.identity import file_digest, init_identity, tensors_digest
 from pipelines.train_worker import TrainSpec, train_loop, trained_steps
 
 FINAL_MODEL = "final_model"
+CURVE_ARTIFACT = "learning_curve.png"  # the run's held-out learning curve (train.eval_every), beside final_model
 READ_ONCE_BYTES = 256 << 20  # targets up to this size on disk are read once per run, not once per epoch
 
 
@@ -55,7 +70,29 @@ def runs_root(cfg: PipelineConfig) -> Path:
     return Path(root).expanduser().resolve() if root else cfg.home_dir() / "runs"
 
 
-def run_name_of(cfg: PipelineConfig, targets: store.Targets) -> str:
+@dataclass(frozen=True)
+class OnlineSequences:
+    """An online run's input (``train.targets_source=online``): the data stage's training split as token ids, and
+    the identity of the targets its steps compute — what this config's precomputed targets would hold
+    (:func:`pipelines.store.training_identity`: teacher weights and dtype, data, S, top-K, target definition)."""
+
+    path: Path  # the data stage's sequence folder
+    identity: dict
+    input_ids: np.ndarray  # [N, S] int32, in the split's order
+
+    @property
+    def key(self) -> str:
+        return fingerprint("kvpop.online", self.identity)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.input_ids)
+
+
+TrainInputs = store.Targets | OnlineSequences
+
+
+def run_name_of(cfg: PipelineConfig, targets: TrainInputs) -> str:
     if cfg.train.run_name:
         return cfg.train.run_name
     digest = fingerprint("kvpop.train", targets.key, cfg.budget, cfg.train.optimisation(), cfg.data.seed,
@@ -120,19 +157,32 @@ def check_init_from(cfg: PipelineConfig, base_sha256: str) -> str | None:
         raise ConfigError(f"train.init_from {t.init_from}: {err}") from None
 
 
-def open_inputs(cfg: PipelineConfig, windows: tuple[int, ...] | None = None) -> store.Targets:
+def open_inputs(cfg: PipelineConfig, windows: tuple[int, ...] | None = None) -> TrainInputs:
     """The verified targets for this config, or one clear error (nothing is written before this passes).
 
     Every policy reads the teacher's top-K logits (the store refuses targets without them); only ``kvpop`` reads a
-    future-attention target column (``budget.window``'s, or ``windows``').
+    future-attention target column (``budget.window``'s, or ``windows``'). An online run reads the data stage's
+    training sequences instead (:class:`OnlineSequences`; the data stage caches them on first use).
     """
     check_trainable(cfg)
+    if cfg.train.online:
+        tokenizer = load_tokenizer(cfg)
+        identity = store.training_identity(cfg, tokenizer)
+        rows = load_sequences(cfg, "train", tokenizer)
+        check_trainable(cfg, len(rows))
+        check_init_from(cfg, identity["teacher"]["weights_sha256"])
+        if cfg.train.eval_every:
+            check_heldout(cfg, tokenizer)
+        return OnlineSequences(sequences_dir(cfg, tokenizer), identity,
+                               np.asarray([r["input_ids"] for r in rows], dtype=np.int32))
     path = targets_path(cfg)
     if cfg.train.policy == "kvpop":
         windows = windows or (cfg.budget.window,)
     targets = store.open_targets(path, expect=store.training_identity(cfg, load_tokenizer(cfg)), windows=windows or ())
     check_trainable(cfg, targets.num_rows)
     check_init_from(cfg, targets.identity["teacher"]["weights_sha256"])
+    if cfg.train.eval_every:
+        check_heldout(cfg)
     return targets
 
 
@@ -150,23 +200,28 @@ def objective_of(cfg: PipelineConfig) -> Objective | DMSObjective | StreamingObj
     return Objective(budget, t.recency, beta=t.beta, tau=t.tau, weight=weight, extra_topks=t.extra_topks)
 
 
-def make_spec(cfg: PipelineConfig, targets: store.Targets, name: str, storage: Path, mlflow_run_id: str, *,
+def make_spec(cfg: PipelineConfig, targets: TrainInputs, name: str, storage: Path, mlflow_run_id: str, *,
               report_every_step: bool = False, save_final: bool = True) -> TrainSpec:
     """The workers' spec of one training run (the train stage's, or one sweep trial's)."""
     t = cfg.train
+    online = isinstance(targets, OnlineSequences)
     return TrainSpec(
         run_name=name, run_dir=str(storage / name), base_path=str(cfg.model.resolved_path()),
         base_sha256=targets.identity["teacher"]["weights_sha256"],
         base_tensors_sha256=tensors_digest(cfg.model.resolved_path(), cfg.home_dir()), objective=objective_of(cfg),
         policy=t.policy, scorer=t.scorer, scorer_options=dict(t.scorer_options) if t.policy == "kvpop" else {},
-        mode=t.mode, target_column=store.target_column(cfg.budget.window) if t.policy == "kvpop" else "",
+        mode=t.mode,
+        target_column=store.target_column(cfg.budget.window) if t.policy == "kvpop" and not online else "",
         dms_temperature=t.dms_temperature,
         lr=t.lr, base_lr=t.base_lr, grad_clip=t.grad_clip, steps=t.steps, batch_size=t.batch_size,
         seq_len=cfg.data.seq_len, seed=cfg.data.seed, use_gpu=t.use_gpu, sharded=t.resolved_strategy == "fsdp",
         bf16=t.resolved_precision == "bf16", threads=max(1, int(t.cpus_per_worker)),
         checkpoint_every=t.checkpoint_every, log_every=t.log_every, fail_at_step=t.fail_at_step,
         tracking_uri=cfg.tracking_uri(), mlflow_run_id=mlflow_run_id, report_every_step=report_every_step,
-        save_final=save_final, init_from=str(Path(t.init_from).expanduser().resolve()) if t.init_from else "")
+        save_final=save_final, init_from=str(Path(t.init_from).expanduser().resolve()) if t.init_from else "",
+        online=online, target_options=cfg.precompute.target_options() if online else {},
+        top_k=cfg.precompute.top_k if online else 0, online_features=t.online_features,
+        warmup_steps=t.warmup_steps, schedule=t.schedule, eval_every=t.eval_every, eval_config=cfg.to_dict() if t.eval_every else {})
 
 
 def training_dataset(targets: store.Targets, columns: list[str], copies: int):
@@ -190,7 +245,72 @@ def training_dataset(targets: store.Targets, columns: list[str], copies: int):
         options.preserve_order = before
 
 
-def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *, callbacks: tuple = ()):
+def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
+    """The row order of ``epoch`` (0-based) under ``train.shuffle_seed`` ``seed``: a permutation drawn from
+    ``(seed, epoch)`` alone, so any step's rows are known without replaying the epochs before it."""
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_rows)
+
+
+def row_order(num_rows: int, positions: np.ndarray, seed: int | None) -> np.ndarray:
+    """The rows at ``positions`` of a run's row sequence: every row once per epoch, epoch after epoch, in file order
+    (``seed`` None) or in :func:`epoch_permutation`'s order."""
+    positions = np.asarray(positions, dtype=np.int64)
+    epochs, within = np.divmod(positions, num_rows)
+    if seed is None:
+        return within
+    out = np.empty_like(within)
+    for epoch in np.unique(epochs):
+        chosen = epochs == epoch
+        out[chosen] = epoch_permutation(num_rows, seed, int(epoch))[within[chosen]]
+    return out
+
+
+class _RowsByPosition:
+    """Ray Data batch function: ``{"id": positions}`` (``ray.data.range``) → the rows at those positions of the
+    run's row sequence (:func:`row_order`), from the online run's token ids (an object reference) or from the stored
+    target files (each file read once per batch)."""
+
+    def __init__(self, num_rows: int, seed: int | None, columns: list[str], ids_ref=None,
+                 files: list[str] = (), file_rows: list[int] = ()):
+        self.num_rows, self.seed, self.columns, self.ids_ref = num_rows, seed, columns, ids_ref
+        self.files, self.starts = list(files), np.cumsum([0, *file_rows])
+
+    def __call__(self, batch: dict) -> dict:
+        import ray
+
+        rows = row_order(self.num_rows, batch["id"], self.seed)
+        if self.ids_ref is not None:
+            return {"input_ids": ray.get(self.ids_ref)[rows]}
+        file_of = np.searchsorted(self.starts, rows, side="right") - 1
+        parts, where = [], []
+        for f in np.unique(file_of):
+            chosen = np.nonzero(file_of == f)[0]
+            parts.append(pq.read_table(self.files[f], columns=self.columns).take(rows[chosen] - self.starts[f]))
+            where.append(chosen)
+        table = pa.concat_tables(parts).take(np.argsort(np.concatenate(where)))
+        return {name: table.column(name).combine_chunks().to_numpy_ndarray() for name in self.columns}
+
+
+def ordered_dataset(targets: TrainInputs, columns: list[str], rows_needed: int, seed: int | None):
+    """The first ``rows_needed`` rows of the run's row sequence (:func:`row_order`) as one Ray Dataset, in order
+    (the trainer reads it with ``preserve_order``, so a resumed run skips exactly the batches it trained on)."""
+    import ray
+    from ray.data import DataContext
+
+    if isinstance(targets, OnlineSequences):
+        rows = _RowsByPosition(targets.num_rows, seed, columns, ids_ref=ray.put(targets.input_ids))
+    else:
+        rows = _RowsByPosition(targets.num_rows, seed, columns, files=[str(f) for f in targets.files],
+                               file_rows=[r.rows for r in targets.records])
+    options = DataContext.get_current().execution_options
+    before, options.preserve_order = options.preserve_order, True
+    try:
+        return ray.data.range(rows_needed).map_batches(rows, batch_format="numpy", batch_size=64)
+    finally:
+        options.preserve_order = before
+
+
+def make_trainer(cfg: PipelineConfig, targets: TrainInputs, spec: TrainSpec, *, callbacks: tuple = ()):
     """The ``TorchTrainer`` of one run: Ray Train's run name and storage are ``spec.run_dir`` (same pair → resume);
     ``callbacks``: Ray Train callbacks (a sweep passes Tune's ``TuneReportCallback``)."""
     import ray
@@ -198,10 +318,14 @@ def make_trainer(cfg: PipelineConfig, targets: store.Targets, spec: TrainSpec, *
     from ray.train.torch import TorchConfig, TorchTrainer
 
     t = cfg.train
-    columns = ["input_ids", *([spec.target_column] if spec.target_column else []), "topk_values", "topk_indices"]
+    columns = (["input_ids"] if spec.online else  # an online step computes the rest from the ids
+               ["input_ids", *([spec.target_column] if spec.target_column else []), "topk_values", "topk_indices"])
     rows_needed = t.steps * t.batch_size * t.num_workers
-    copies = -(-rows_needed // targets.num_rows) + 1  # epochs, in one pass (see train_worker._batches)
-    dataset = training_dataset(targets, columns, copies)
+    if spec.online or t.shuffle_seed is not None:  # one spare batch per worker: every worker's last step is full
+        dataset = ordered_dataset(targets, columns, rows_needed + t.batch_size * t.num_workers, t.shuffle_seed)
+    else:
+        copies = -(-rows_needed // targets.num_rows) + 1  # epochs, in one pass (see train_worker._batches)
+        dataset = training_dataset(targets, columns, copies)
     ingest = ray.train.DataConfig.default_ingest_options()
     ingest.preserve_order = True  # the same batch order on a restart (a resumed run skips what it already saw)
     resources = {"CPU": t.cpus_per_worker, **({"GPU": 1} if t.use_gpu else {})}
@@ -238,7 +362,7 @@ class TrainResult:
     steps: int
     resumed_from: int
     metrics: dict
-    targets: Path
+    targets: Path  # the stored targets, or (online) the data stage's sequence folder
 
 
 def _join_cluster(cfg: PipelineConfig) -> None:
@@ -248,7 +372,7 @@ def _join_cluster(cfg: PipelineConfig) -> None:
                       t.num_workers if t.use_gpu else 0)
 
 
-def _fit(cfg: PipelineConfig, targets: store.Targets, name: str, run_id: str) -> dict:
+def _fit(cfg: PipelineConfig, targets: TrainInputs, name: str, run_id: str) -> dict:
     """Train the run to ``train.steps`` (resuming from its last checkpoint); the last metrics. Marks the MLflow run
     FAILED if training fails."""
     import mlflow
@@ -273,6 +397,10 @@ def _complete_tracking(cfg: PipelineConfig, run_id: str, final: Path) -> None:
     logged = {Path(a.path).name for a in client.list_artifacts(run_id, "model")}
     if not {p.name for p in final.iterdir() if p.is_file()} <= logged:
         client.log_artifacts(run_id, str(final), artifact_path="model")
+    if cfg.train.eval_every and not any(a.path == CURVE_ARTIFACT for a in client.list_artifacts(run_id)):
+        figure = plot_learning_curve(run_id, cfg.tracking_uri(), final.parent / CURVE_ARTIFACT)
+        if figure is not None:
+            client.log_artifact(run_id, str(figure))
     records.crash_point("train.artifact_logged")
     client.set_tag(run_id, "kvpop.model_dir", str(final))
     client.set_terminated(run_id, "FINISHED")
@@ -314,6 +442,7 @@ def run(cfg: PipelineConfig) -> TrainResult:
     _complete_tracking(cfg, run_id, final)
     records.commit(cfg, "train", {"run_name": name, "model_dir": str(final), "mlflow_run_id": run_id, "steps": steps,
                                   "targets": str(targets.path), "mode": cfg.train.mode,
-                                  "policy": cfg.train.policy})
+                                  "policy": cfg.train.policy,
+                                  **({"targets_source": "online"} if cfg.train.online else {})})
     return TrainResult(name, run_id, final, run_dir, steps, int(metrics.get("resumed_from", steps)), metrics,
                        targets.path)

@@ -8,15 +8,21 @@ loaded from ``spec.init_from`` when set, the base frozen in ``scorer_only`` mode
 batches of its dataset shard (:func:`batch_losses`). The policies (``train.policy``):
 
 * ``kvpop``: a scorer per layer, :class:`kvpop.objective.Objective`; in ``scorer_only`` mode the KL carries no
-  gradient (it is still reported).
+  gradient (it is still reported). Online (``spec.online``) the batch holds token ids only and
+  :func:`online_batch` computes the rest — the targets and top-K logits a stored row would hold — from the frozen
+  base inside the step.
 * ``dms``: DMS gates (``scorer="dms"``) under the relaxed DMS policy (Gumbel-sigmoid at ``dms_temperature``),
   :class:`kvpop.objective.DMSObjective` at the scheduled keep-rate of the step. In ``scorer_only`` mode only the
   gates train (adapter-only, as NVIDIA Model-Optimizer's public DMS trainer does); ``distill`` trains the base too.
   The final model is saved with the hard policy (the form prefill and the cache run).
 * ``streaming`` (StreamingLLM+): no scorers, the base trains (``distill``) under the sinks + window mask,
   :class:`kvpop.objective.StreamingObjective`.
- Metrics are all-reduced over workers; rank 0 logs them to the run's MLflow run and
-prints one line per logged step.
+
+The learning rate of each step is its group's peak times :func:`lr_factor` (warm-up, then constant or cosine): a
+function of the step, so a resumed run continues the schedule exactly. Metrics are all-reduced over workers; rank 0
+logs them (and ``lr``) to the run's MLflow run and prints one line per logged step. With ``spec.eval_every``, rank 0
+also evaluates held-out items at step 0 of a fresh run, every ``eval_every`` steps and at the last
+(:class:`HeldoutRunner`, :mod:`pipelines.heldout`) and logs ``heldout.*`` at that step.
 
 **Checkpoints** every ``checkpoint_every`` steps and at the last one (:mod:`kvpop.checkpointing`: each worker
 writes its shard of the model and optimizer state — only what trains in scorer-only mode — reported through
@@ -32,10 +38,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,9 +53,12 @@ from kvpop import checkpointing
 from kvpop.budget import Budget
 from kvpop.objective import METRICS as OBJECTIVE_METRICS
 from kvpop.objective import DMSObjective, Objective, StreamingObjective, student_forward
+from kvpop.online import dense_priorities, online_targets
 from kvpop.parameters import trainable_parameters
 from kvpop.pretrained import load_pretrained
 from kvpop.sharding import shard
+from pipelines.config import config_from_dict
+from pipelines.heldout import HeldoutEvaluator
 
 TRAIN_MARKER = "kvpop_train.json"
 
@@ -88,6 +98,14 @@ class TrainSpec:
     save_final: bool = True
     init_from: str = ""  # a saved scorer folder the scorers start from (train.init_from, checked by the driver)
     base_tensors_sha256: str = ""  # the base's tensors digest: a scorer-only final model's portable base identity
+    online: bool = False  # targets and top-K logits computed inside each step from the frozen base (train.online)
+    target_options: dict = field(default_factory=dict)  # online: the target definition (group_reduce, query_power)
+    top_k: int = 0  # online: the teacher logits the KL is measured on (precompute.top_k)
+    online_features: str = "student"  # online: the scorers read the student's forward | the dense pass's (dense)
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine (lr_factor)
+    eval_every: int = 0  # held-out evaluation every this many steps on rank 0 (pipelines.heldout); 0 = none
+    eval_config: dict = field(default_factory=dict)  # the run's PipelineConfig as a dict, for that evaluation
 
     @property
     def budget(self) -> Budget:
@@ -115,17 +133,82 @@ def build_student(spec: TrainSpec, device="cpu"):
     return model, tokenizer
 
 
+def lr_factor(step: int, warmup_steps: int, schedule: str, steps: int) -> float:
+    """The learning rate of (1-based) ``step`` as a fraction of the peak: ``step / warmup_steps`` during the warm-up,
+    then 1 (``constant``) or a half cosine from 1 at the first step after the warm-up towards 0 after step ``steps``
+    (``cosine``). A function of the step alone: a resumed run continues the schedule exactly."""
+    if step <= warmup_steps:
+        return step / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    if schedule != "cosine":
+        raise ValueError(f"schedule must be constant or cosine, got {schedule!r}")
+    return 0.5 * (1.0 + math.cos(math.pi * (step - warmup_steps - 1) / max(1, steps - warmup_steps)))
+
+
+def peak_lrs(model, spec: TrainSpec) -> list[float]:
+    """Each of :func:`start_student`'s optimizer groups' peak learning rate (scorers, then base), in its order."""
+    params = trainable_parameters(model, spec.mode)
+    return [spec.lr] * bool(params["scorers"]) + [spec.base_lr] * bool(params["base"])
+
+
+def online_batch(model, ids: torch.Tensor, spec: TrainSpec) -> dict[str, torch.Tensor]:
+    """What a stored row holds, computed from ``ids [B, S]`` by the frozen base inside the step
+    (:func:`kvpop.online.online_targets`: its dense pass and the transposed target pass, no gradient): the target
+    column ``[B, L, Hkv, S]`` and the top-K logits. Under the FSDP2 plan the root's own parameters (embeddings, final
+    norm, LM head) are gathered around it: the teacher pass runs the base and the head, not the root's forward."""
+    sharded = hasattr(model, "unshard")  # an FSDPModule
+    if sharded:
+        model.unshard()
+    try:
+        out = online_targets(model, ids, top_k=spec.top_k, **spec.target_options)
+    finally:
+        if sharded:
+            model.reshard()
+    return {"input_ids": ids, "targets": out["targets"].permute(1, 0, 2, 3), "topk_values": out["topk_values"],
+            "topk_indices": out["topk_indices"]}
+
+
+def dense_feature_losses(model, ids: torch.Tensor, spec: TrainSpec) -> dict[str, torch.Tensor]:
+    """Online with ``online_features=dense``: the scorers read the keys and values of the step's dense teacher pass
+    (:func:`kvpop.online.dense_priorities`), no student forward; ``loss`` = β · ``ret_loss`` (the KL of the sparse
+    forward carries no gradient in scorer-only mode, and is not measured here)."""
+    sharded = hasattr(model, "unshard")  # an FSDPModule: see online_batch
+    if sharded:
+        model.unshard()
+    try:
+        out = online_targets(model, ids, keep=("keys", "values"), **spec.target_options)
+    finally:
+        if sharded:
+            model.reshard()
+    ranking = spec.objective.ranking(dense_priorities(model, out["keys"], out["values"]), out["targets"])
+    return {"loss": spec.objective.beta * ranking["ret_loss"], **ranking}
+
+
+def metric_names(spec: TrainSpec) -> tuple[str, ...]:
+    """What a step of this spec reports (:data:`kvpop.objective.METRICS` of its policy; no ``kl`` when the scorers
+    read the dense pass)."""
+    names = OBJECTIVE_METRICS[spec.policy]
+    return tuple(n for n in names if n != "kl") if spec.online and spec.online_features == "dense" else names
+
+
 def batch_losses(model, batch: dict, spec: TrainSpec, step: int = 0) -> dict[str, torch.Tensor]:
     """The spec's objective at ``step`` on a batch of shard rows: ``input_ids [B, S]``,
-    ``topk_values``/``topk_indices [B, S, K]`` and (policy kvpop) the target column ``[B, L, Hkv, S]``; the metrics
-    of :data:`kvpop.objective.METRICS` for the policy (``loss`` carries the gradient)."""
+    ``topk_values``/``topk_indices [B, S, K]`` and (policy kvpop) the target column ``[B, L, Hkv, S]`` — online,
+    ``input_ids`` alone (:func:`online_batch` computes the rest; :func:`dense_feature_losses` with dense features);
+    the metrics of :func:`metric_names` (``loss`` carries the gradient)."""
+    column = spec.target_column
+    if spec.online and spec.online_features == "dense":
+        return dense_feature_losses(model, batch["input_ids"].long(), spec)
+    if spec.online:
+        batch, column = online_batch(model, batch["input_ids"].long(), spec), "targets"
     ids, top_values, top_indices = batch["input_ids"].long(), batch["topk_values"], batch["topk_indices"]
     if spec.policy == "streaming":
         return spec.objective(model(input_ids=ids, use_cache=False).logits, top_values, top_indices)
     logits, collected = student_forward(model, ids)  # kvpop: ranked priorities; dms: relaxed decision logits
     if spec.policy == "dms":
         return spec.objective(logits, collected, top_values, top_indices, step)
-    teacher = batch[spec.target_column].permute(1, 0, 2, 3)  # -> [L, B, Hkv, S], the layout of the priorities
+    teacher = batch[column].permute(1, 0, 2, 3)  # -> [L, B, Hkv, S], the layout of the priorities
     return spec.objective(collected, teacher, logits, top_values, top_indices)
 
 
@@ -228,6 +311,11 @@ def start_student(spec: TrainSpec, device, rank: int = 0, checkpoint=None):
     model, tokenizer = build_student(spec, device=device)
     if spec.sharded:
         shard(model, bf16=spec.bf16)
+        if spec.online:
+            # FSDP2 initialises every unit on the root's first forward; the online teacher pass calls the decoder and
+            # the head, not the root, and would make the first decoder layer a root of its own: the root goes first
+            with torch.no_grad():
+                model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device), use_cache=False)
     params = trainable_parameters(model, spec.mode)  # after sharding: the DTensors the optimizer must step
     groups = [{"params": params["scorers"], "lr": spec.lr}] if params["scorers"] else []
     if params["base"]:
@@ -235,6 +323,47 @@ def start_student(spec: TrainSpec, device, rank: int = 0, checkpoint=None):
     optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     trainable = [p for g in groups for p in g["params"]]
     return model, tokenizer, optimizer, trainable, _resume(model, optimizer, spec, rank, checkpoint)
+
+
+class HeldoutRunner:
+    """The in-training held-out evaluation of one worker (``spec.eval_every`` > 0; else calls do nothing): rank 0
+    evaluates the scorers as they are (:class:`pipelines.heldout.HeldoutEvaluator`) and logs ``heldout.*`` to the
+    run's MLflow run at the step. A sharded model is first gathered (every rank takes part) into a plain student
+    that rank 0 builds once; an unsharded one is evaluated as it is, in eval mode."""
+
+    def __init__(self, model, spec: TrainSpec, rank: int, client, device):
+        self.model, self.spec, self.rank, self.client, self.device = model, spec, rank, client, device
+        self.evaluator = self.plain = None
+
+    def __call__(self, step: int) -> None:
+        spec = self.spec
+        if not spec.eval_every:
+            return
+        model = self.model
+        if spec.sharded:
+            full = checkpointing.full_model_state(model)  # collective
+            if self.rank == 0:
+                if self.plain is None:
+                    self.plain, _ = build_student(spec, device=self.device)
+                self.plain.load_state_dict(full, strict=False)
+            model = self.plain
+        if self.rank == 0:
+            if self.evaluator is None:
+                self.evaluator = HeldoutEvaluator(config_from_dict(spec.eval_config))
+            was_training = model.training
+            model.eval()
+            try:
+                t0 = time.perf_counter()
+                found = self.evaluator(model)
+            finally:
+                model.train(was_training)
+            _log_metrics(self.client, spec.mlflow_run_id, {**found, "heldout.eval_s": time.perf_counter() - t0},
+                         step)
+            shown = " ".join(f"{k.removeprefix('heldout.')} {v:.4f}" for k, v in found.items()
+                             if k in ("heldout.kl", "heldout.top1", "heldout.gap_closed", "heldout.recall_exact"))
+            print(f"[kvpop.train] step {step}/{spec.steps} held-out {shown}", flush=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
 
 
 def train_loop(config: dict) -> None:
@@ -262,7 +391,11 @@ def train_loop(config: dict) -> None:
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if spec.bf16 and not spec.sharded
                 and device.type == "cuda" else contextlib.nullcontext())
     tokens_per_step = spec.batch_size * spec.seq_len * world
-    names = OBJECTIVE_METRICS[spec.policy]
+    names = metric_names(spec)
+    peaks = peak_lrs(model, spec)
+    heldout = HeldoutRunner(model, spec, rank, client, device)
+    if start_step == 0:
+        heldout(0)  # the untrained scorers: the learning curve's first point
     marker = Path(spec.run_dir) / f".fault-injected-at-{spec.fail_at_step}"
     for step in range(start_step + 1, spec.steps + 1):
         if spec.fail_at_step == step and rank == 0 and not marker.exists():
@@ -275,6 +408,9 @@ def train_loop(config: dict) -> None:
         with autocast:
             parts = batch_losses(model, batch, spec, step)
         optimizer.zero_grad(set_to_none=True)
+        factor = lr_factor(step, spec.warmup_steps, spec.schedule, spec.steps)
+        for group, peak in zip(optimizer.param_groups, peaks, strict=True):
+            group["lr"] = peak * factor
         if parts["loss"].requires_grad:
             parts["loss"].backward()
             if spec.grad_clip > 0:
@@ -288,11 +424,14 @@ def train_loop(config: dict) -> None:
             dist.all_reduce(values)
             values /= world
         metrics = {"step": step, **dict(zip(names, values.tolist())), "tokens_per_s": tokens_per_step / seconds,
-                   "step_s": seconds, "data_wait_s": t0 - t_wait, "resumed_from": start_step}
+                   "step_s": seconds, "data_wait_s": t0 - t_wait, "resumed_from": start_step,
+                   "lr": optimizer.param_groups[0]["lr"]}
         if rank == 0 and (step % spec.log_every == 0 or step == spec.steps):
             _log_metrics(client, spec.mlflow_run_id, metrics, step)
             shown = " ".join(f"{k} {metrics[k]:.4f}" for k in names)
             print(f"[kvpop.train] step {step}/{spec.steps} {shown} {metrics['tokens_per_s']:.0f} tok/s", flush=True)
+        if spec.eval_every and (step % spec.eval_every == 0 or step == spec.steps):
+            heldout(step)
         if step % spec.checkpoint_every == 0 or step == spec.steps:
             _report_checkpoint(model, optimizer, spec, step, metrics)
         elif spec.report_every_step:

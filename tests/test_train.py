@@ -278,7 +278,7 @@ def test_the_final_model_stores_base_weights_only_when_they_trained(tmp_path, ti
         assert weights == ["kvpop_scorers.safetensors", "model.safetensors"]
     else:
         assert weights == ["kvpop_scorers.safetensors"]
-    loaded, loaded_tokenizer = kvpop.load_retrofitted(out)
+    loaded, loaded_tokenizer = kvpop.load_retrofitted(out, base=tmp_path / "base")
     assert loaded_tokenizer is not None
     ids = torch.randint(1, 100, (1, 32))
     with torch.no_grad():

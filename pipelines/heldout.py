@@ -1,0 +1,109 @@
+"""In-training held-out evaluation (``train.eval_every``): a run's learning curve as metrics of its MLflow run.
+
+Rank 0 of the train stage calls a :class:`HeldoutEvaluator` on the scorers as they are at step 0 of a fresh run,
+every ``train.eval_every`` steps and at the last step (:class:`pipelines.train_worker.HeldoutRunner`). It measures,
+with the evaluation stage's own code (:func:`pipelines.eval_parts.evaluate_items`, :func:`pipelines.report.summarize`):
+
+* **items**, fixed for the run: the first ``train.eval_sequences`` (0: all ``data.eval_sequences``) sequences of the
+  data stage's held-out split — documents the training split never holds — and, with ``train.eval_recall_samples``
+  > 0, that many samples per recall cell (``eval.tasks`` × ``eval.task_contexts`` × ``eval.task_depths``, seeded by
+  ``data.seed``: :func:`pipelines.eval_parts.recall_samples`);
+* at the **training budget** only: kvpop at every point; dense, streaming and the oracle (under
+  ``precompute``'s target definition) once per worker group, as references — they do not depend on the scorers;
+* summarised over items with ``eval.resamples`` bootstrap resamples.
+
+:func:`heldout_metrics` names what is logged (:data:`METRICS` the curve's main lines; each with ``.lo`` / ``.hi``,
+its 95 % interval): ``heldout.kl`` and ``heldout.top1`` (kvpop's KL(dense ‖ kvpop) and top-1 agreement over positions
+``>= B``), ``heldout.gap_closed`` / ``heldout.gap_closed_top1`` (the fraction of the streaming → oracle gap kvpop
+closes, a paired ratio), ``heldout.recall_exact`` (headline cells: dense's exact match there at least
+``eval.task_min_dense``), and the references ``heldout.<streaming|oracle>.<kl|top1>``,
+``heldout.dense.recall_exact``. :mod:`pipelines.curves` draws them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kvpop.evaluation import settings
+from kvpop.pretrained import read_model_config
+from pipelines import report
+from pipelines.config import ConfigError, PipelineConfig
+from pipelines.data import load_sequences, load_tokenizer
+from pipelines.eval_parts import evaluate_items, recall_samples
+
+METRICS = ("heldout.kl", "heldout.top1", "heldout.gap_closed", "heldout.recall_exact")
+PREFIX = "heldout."
+_REPORTED = {"kl": "kl", "top1": "top1_agreement", "recall_exact": "recall_exact"}  # our name: pipelines.report's
+
+
+def heldout_config(cfg: PipelineConfig) -> PipelineConfig:
+    """``cfg`` as the evaluation code reads it here: ``train.eval_recall_samples`` samples per recall cell."""
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, task_samples=cfg.train.eval_recall_samples))
+
+
+def heldout_inputs(cfg: PipelineConfig, tokenizer=None) -> dict:
+    """The items (:func:`pipelines.eval_parts.evaluate_items`'s ``inputs``) at the training budget; one
+    :class:`ConfigError` line where the recall cells do not fit the model."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
+    sequences = load_sequences(cfg, "eval", tokenizer)
+    sequences = sequences[:cfg.train.eval_sequences or len(sequences)]
+    context = read_model_config(cfg.model.resolved_path()).get("max_position_embeddings")
+    try:
+        samples = recall_samples(heldout_config(cfg), tokenizer, context)
+    except ValueError as err:
+        raise ConfigError(f"train.eval_recall_samples: {err}") from None
+    return {"tokenizer": tokenizer, "sequences": sequences, "budgets": [cfg.budget], "samples": samples,
+            "problems": [], "prompts": []}
+
+
+def check_heldout(cfg: PipelineConfig, tokenizer=None) -> None:
+    """The driver's check before anything is written: the held-out items can be built (one line if not)."""
+    if not heldout_inputs(cfg, tokenizer)["sequences"]:
+        raise ConfigError("train.eval_every: the data stage's held-out split is empty (data.eval_sequences)")
+
+
+class HeldoutEvaluator:
+    """``evaluator(model) -> {metric name: value}`` for a retrofitted model under training (in eval mode, any
+    device): kvpop at the training budget on the run's fixed items, beside the references measured at the first
+    call."""
+
+    def __init__(self, cfg: PipelineConfig):
+        self.cfg = heldout_config(cfg)
+        self.inputs = heldout_inputs(cfg)
+        total = cfg.budget.total
+        self.budgets = [{"B": total, "CR": 1 - total / cfg.data.seq_len, "budget": str(cfg.budget)}]
+        self.references: list[dict] | None = None
+
+    def records(self, model, policies: list[str]) -> list[dict]:
+        found, _ = evaluate_items(self.cfg, self.inputs, model, progress=False,
+                                  runs=settings(policies, [self.cfg.budget]))
+        return found
+
+    def __call__(self, model) -> dict[str, float]:
+        if self.references is None:
+            self.references = self.records(model, ["dense", "streaming", "oracle"])
+        found = [r for r in self.records(model, ["kvpop"]) if r["policy"] == "kvpop"]  # dense: the references'
+        summary = report.summarize(self.references + found, self.budgets, resamples=self.cfg.eval.resamples)
+        return heldout_metrics(summary, self.cfg.budget.total)
+
+
+def heldout_metrics(summary: dict, total: int) -> dict[str, float]:
+    """The logged names (module docstring) of a :func:`pipelines.report.summarize` at budget ``total``; finite
+    values only."""
+    out = {}
+
+    def put(name: str, entry: dict | None) -> None:
+        if entry is not None:
+            out.update({name: entry["estimate"], f"{name}.lo": entry["lo"], f"{name}.hi": entry["hi"]})
+
+    def find(entries: list[dict], policy: str, metric: str) -> dict | None:
+        return next((e for e in entries if e["policy"] == policy and e["metric"] == metric and e["B"] == total), None)
+
+    for name, metric in _REPORTED.items():
+        put(f"{PREFIX}{name}", find(summary["metrics"], "kvpop", metric))
+        for policy in ("streaming", "oracle", "dense"):
+            if (policy == "dense") == (name == "recall_exact"):  # dense: its text metrics are 0 / 1 by definition
+                put(f"{PREFIX}{policy}.{name}", find(summary["metrics"], policy, metric))
+    put(f"{PREFIX}gap_closed", find(summary["gap_closed"], "kvpop", "kl"))
+    put(f"{PREFIX}gap_closed_top1", find(summary["gap_closed"], "kvpop", "top1_agreement"))
+    return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
