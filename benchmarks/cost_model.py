@@ -17,6 +17,13 @@ default), the stages a user runs:
    (:func:`kvpop.prefill`) of one random row at each ``--contexts`` length, then ``--decode-steps`` decoding steps
    (a CUDA graph of the whole step, :class:`kvpop.decode.GraphedDecoder`, on CUDA; eager on CPU).
 
+**Result.** The JSON (``--out``, default ``<work>/cost_model_<shape>_S<S>.json``) and a markdown table beside it;
+then, unless ``--no-publish``, :func:`pipelines.ledger.publish_file` logs them as one MLflow run and appends its
+line to ``--ledger`` (``results/ledger.jsonl``), named ``cost_model/<file stem without "cost_model_">``. Its
+metrics (:func:`pipelines.ledger.cost_model_metrics`): each stage's tokens/s and peak memory, the serving figures
+per context, GPU-hours per GPU count; the shape is a param; provenance tags: commit, hash of the stages' config,
+device, dtype.
+
 Every stage prints one progress line. Peak GPU memory per stage is the device's used memory sampled by
 ``nvidia-smi`` while the stage runs (the Ray stages run in other processes), minus what was used before it; the
 serving stage reports ``torch.cuda.max_memory_allocated``. On CPU no memory is reported.
@@ -44,7 +51,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import shutil
@@ -60,6 +66,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import pipelines  # noqa: E402,F401  offline Hugging Face environment before transformers is imported
+from pipelines import ledger  # noqa: E402
 from pipelines.config import ConfigError, PipelineConfig, fingerprint, load_config  # noqa: E402
 
 # The published config.json values (Qwen/Qwen3-4B, Qwen/Qwen3-8B); max_position_embeddings is raised per run to the
@@ -82,21 +89,6 @@ PRESETS = {"qwen3-4b": REPO / "configs" / "qwen3-4b.yaml", "qwen3-8b": REPO / "c
 TRAIN_MODES = ("scorer_only", "distill")
 GPU_COUNTS = (1, 8, 64)
 MARKER = ".kvpop-cost-model"  # in the work folder: the benchmark only ever deletes a folder that carries it
-
-
-def log_run(cfg: PipelineConfig, run_name: str, *, params: dict, metrics: dict, tags: dict,
-            artifacts: list[Path]) -> str:
-    """One MLflow run of this benchmark in the config's store: params, metrics, tags and files; returns its id."""
-    import mlflow
-
-    from pipelines import tracking
-
-    with tracking.run(cfg, run_name, stage="benchmark", tags=tags, log_config=False) as active:
-        mlflow.log_params({k: str(v) for k, v in params.items()})
-        mlflow.log_metrics({k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))})
-        for path in artifacts:
-            mlflow.log_artifact(str(path))
-        return active.info.run_id
 
 
 # ------------------------------------------------------------------------------------------------ set-up
@@ -271,7 +263,7 @@ def measure_train(cfg: PipelineConfig, mode: str, cuda: bool, warmup_steps: int)
             **({"failed_after_steps": error} if error else {})}
 
 
-def measure_serving(model_dir: Path, contexts: list[int], *, chunk: int, decode_steps: int, device: str,
+def measure_serving(model_dir: Path, contexts: list[int], *, base: Path, chunk: int, decode_steps: int, device: str,
                     dtype: str, vocab: int) -> list[dict]:
     """Bounded prefill and decoding of one random row per context with the trained model (what a user serves),
     after one untimed warm-up row; a context that fails (out of memory at 128k) is a row with its error."""
@@ -282,7 +274,8 @@ def measure_serving(model_dir: Path, contexts: list[int], *, chunk: int, decode_
     from kvpop.cache import CACHE_KWARG
     from kvpop.decode import GraphedDecoder
 
-    model, _ = kvpop.load_retrofitted(model_dir, dtype=getattr(torch, dtype), device=device, verify_base=False)
+    model, _ = kvpop.load_retrofitted(model_dir, base=base, dtype=getattr(torch, dtype), device=device,
+                                      verify_base=False)  # the scorers' base: the folder written above
     model.eval()
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -406,17 +399,6 @@ def table(result: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the run
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _error_line(err: BaseException) -> str:
     text = (str(err).strip().splitlines() or [""])[0][:240]
     return f"{type(err).__name__}: {text}"
@@ -452,7 +434,9 @@ def plan_lines(args, cfg: PipelineConfig, work: Path) -> list[str]:
             f"serving: bounded prefill (chunk {args.prefill_chunk}) + {args.decode_steps} decoding steps at "
             f"{args.contexts or 'no contexts'}",
             f"GPU-hours for {args.tokens:.3g} tokens on {list(GPU_COUNTS)} GPUs, efficiency {args.efficiency:g}",
-            f"MLflow: {cfg.tracking_uri()} experiment {cfg.tracking.experiment}"]
+            f"MLflow (the stages' runs): {cfg.tracking_uri()} experiment {cfg.tracking.experiment}",
+            "result: " + ("written only (--no-publish)" if args.no_publish else
+                          f"an MLflow run and a line of {args.ledger} (pipelines.ledger.publish_file)")]
 
 
 def run(args) -> dict:
@@ -476,7 +460,8 @@ def run(args) -> dict:
     (work / MARKER).touch()
     shutil.rmtree(home, ignore_errors=True)  # every stage must compute: a complete target directory costs nothing
     tracking.setup(dataclasses.replace(cfg, home=str(work)))  # the experiment's artifacts outlive the emptied home
-    out = Path(args.out).expanduser().resolve() if args.out else work / "cost_model.json"
+    out = (Path(args.out).expanduser().resolve() if args.out
+           else work / f"cost_model_{args.shape}_S{cfg.data.seq_len}.json")
 
     _progress("model", f"writing a random-weight {args.shape} folder")
     written = write_model(args.shape, work / "model", max_positions=max([args.seq_len, *args.contexts]) + 64,
@@ -508,7 +493,7 @@ def run(args) -> dict:
     serving = []
     if args.contexts and scorer_model is not None:
         _progress("serving", f"prefill + decoding at {args.contexts}")
-        serving = measure_serving(scorer_model, args.contexts, chunk=args.prefill_chunk,
+        serving = measure_serving(scorer_model, args.contexts, base=work / "model", chunk=args.prefill_chunk,
                                   decode_steps=args.decode_steps, device=args.device, dtype=cfg.model.dtype,
                                   vocab=written["vocab_size"])
     hours = gpu_hours(rates, args.tokens, efficiency=args.efficiency)
@@ -517,7 +502,7 @@ def run(args) -> dict:
         else platform.processor() or platform.machine(), "dtype": cfg.model.dtype, "torch": torch.__version__,
         "seq_len": cfg.data.seq_len, "budget": str(cfg.budget), "scorer": cfg.train.scorer, "gpus": args.gpus,
         "steps": cfg.train.steps, "tokens": args.tokens, "efficiency": args.efficiency, "gpu_counts": list(GPU_COUNTS),
-        "commit": _commit(), "config_hash": fingerprint("kvpop.cost_model", cfg.to_dict()),
+        "commit": ledger.git_commit(), "config_hash": fingerprint(cfg),  # the ledger line's provenance tags
         "command": "python benchmarks/cost_model.py " + " ".join(args.argv),
         "stages": stages, "hours": hours, "pipelines": pipelines_cost(hours), "serving": serving,
         "seconds": time.perf_counter() - started}
@@ -526,24 +511,13 @@ def run(args) -> dict:
     markdown = out.with_suffix(".md")
     markdown.write_text(table(result) + "\n")
     print(table(result))
-    metrics = {f"{s['stage']}.{k}": s[k] for s in stages for k in ("tokens_per_s_per_gpu", "peak_gib", "wall_s")
-               if s.get(k) is not None}
-    metrics.update({f"{r['pipeline'].replace(' + ', '_and_')}.gpu_hours": r["gpu_hours"] for r in result["pipelines"]
-                    if r["gpus"] == 1})
-    metrics.update({f"serving.{r['context']}.{k}": r[k] for r in serving
-                    for k in ("prefill_tokens_per_s", "decode_tokens_per_s") if k in r})
-    result["mlflow_run_id"] = log_run(
-        cfg, f"cost-model-{args.shape}-S{cfg.data.seq_len}",
-        params={"shape": args.shape, "seq_len": cfg.data.seq_len, "steps": cfg.train.steps, "gpus": args.gpus,
-                "device": args.device, "dtype": cfg.model.dtype, "tokens": args.tokens,
-                "efficiency": args.efficiency, "budget": str(cfg.budget), "contexts": json.dumps(args.contexts)},
-        metrics=metrics,
-        tags={"kvpop.commit": result["commit"], "kvpop.config_hash": result["config_hash"],
-              "kvpop.model_shape": args.shape, "kvpop.device": result["device"], "kvpop.dtype": cfg.model.dtype},
-        artifacts=[out, markdown])
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    _progress("done", f"{out} and {markdown.name}, MLflow run {result['mlflow_run_id']}, "
-                      f"{result['seconds']:.0f} s")
+    published = ledger.publish_file("cost_model", out, result, args, config=cfg)
+    if published is not None:  # the local JSON names its ledger line (the MLflow run's id where MLflow is installed)
+        result["run_id"] = published.run_id
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    _progress("done", f"{out} and {markdown.name}"
+                      + (f", ledger run {published.run_id} ({published.name})" if published else "")
+                      + f", {result['seconds']:.0f} s")
     return result
 
 
@@ -577,6 +551,7 @@ def parse(argv=None):
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a key of the stages' config (e.g. --set budget.topk=1792)")
     parser.add_argument("--dry-plan", action="store_true", help="print what would run and exit")
+    ledger.add_publish_arguments(parser)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.cpus_per_worker == 0:

@@ -465,6 +465,25 @@ def precompute_metrics(result: dict) -> tuple[dict, dict]:
     return params, metrics
 
 
+def cost_model_metrics(result: dict) -> tuple[dict, dict]:
+    """``benchmarks/cost_model.py``: per stage its tokens/s per GPU, peak memory and wall seconds
+    (``stage/<stage>/…``; a failed stage has none), per serving context the prefill and decode figures
+    (``serving/ctx<context>/…``), per stage and per pipeline its wall hours and GPU-hours at each GPU count
+    (``hours/<stage>/gpus<N>/…``, ``pipeline/<precompute_scorer_only>/gpus<N>/…``). The shape is a param."""
+    metrics = _table_metrics(result.get("stages") or [], ("stage",), ("tokens_per_s_per_gpu", "peak_gib", "wall_s"),
+                             prefix="stage/")
+    metrics.update(_table_metrics(result.get("serving") or [], ("context",),
+                                  ("prefill_s", "prefill_tokens_per_s", "decode_ms_per_token", "decode_tokens_per_s",
+                                   "peak_gib"), prefix="serving/"))
+    for prefix, name, rows in (("hours/", "stage", result.get("hours") or []),
+                               ("pipeline/", "pipeline", result.get("pipelines") or [])):
+        metrics.update(_table_metrics([{**r, "gpu_count": f"gpus{r['gpus']}"} for r in rows], (name, "gpu_count"),
+                                      ("hours", "gpu_hours"), prefix=prefix))
+    params = {"shape": result.get("shape_name"), **{k: result.get(k) for k in (
+        "seq_len", "budget", "scorer", "gpus", "steps", "tokens", "efficiency", "torch")}}
+    return params, metrics
+
+
 def quality_metrics(result: dict) -> tuple[dict, dict]:
     """``benchmarks/quality.py``: its table (policy × CR: top-1, KL, recall tasks) as leaderboard cells."""
     corpus = _corpus_name(str(result.get("corpus") or "champ"))
@@ -684,7 +703,7 @@ def legacy_runs(path: str, result: dict, commit: str, *, extra: dict | None = No
         return [one(f"evaluate/{tag or 'h200'}", "evaluation", "benchmarks/eval_h200.py", params,
                     eval_summary_metrics(result["summary"], corpus), result.get("mlflow_run"))]
     converters = {"capacity": capacity_metrics, "decode": decode_metrics, "kernels": kernels_metrics,
-                  "precompute": precompute_metrics, "quality": quality_metrics}
+                  "precompute": precompute_metrics, "quality": quality_metrics, "cost_model": cost_model_metrics}
     if producer in converters:
         params, metrics = converters[producer](result)
         script = "precompute_gpu" if producer == "precompute" else producer
@@ -1123,7 +1142,7 @@ def publish_result(producer: str, tag: str, result: dict, files: Iterable[Path] 
     """:func:`publish` for a product benchmark's result dict: its converter's params and metrics, provenance from
     the result (device, dtype) and the caller (its arguments as ``config``, digests where it has them)."""
     converters = {"capacity": capacity_metrics, "decode": decode_metrics, "kernels": kernels_metrics,
-                  "precompute": precompute_metrics, "quality": quality_metrics}
+                  "precompute": precompute_metrics, "quality": quality_metrics, "cost_model": cost_model_metrics}
     params, metrics = converters[producer](result)
     script = "precompute_gpu" if producer == "precompute" else producer
     tags = provenance(config=config, data_digest=data_digest, weights_digest=weights_digest,
@@ -1177,17 +1196,18 @@ def add_publish_arguments(parser) -> None:
 
 
 def publish_file(producer: str, out: Path, result: dict, args, *, weights_digest: str | None = None,
-                 data_digest: str | None = None) -> Run | None:
+                 data_digest: str | None = None, config: Any = None) -> Run | None:
     """What a product benchmark calls once its result file ``out`` (``<producer>_<tag>.json``, and ``.md`` beside
-    it) is written: :func:`publish_result` with the tag from the file name, the files as artifacts and the
-    command line (``args``, parsed with :func:`add_publish_arguments`) as the config hash. Nothing with
-    ``--no-publish``."""
+    it) is written: :func:`publish_result` with the tag from the file name, the files as artifacts and ``config``
+    (a benchmark that runs the stages passes their resolved :class:`PipelineConfig`; default: the command line,
+    ``args`` parsed with :func:`add_publish_arguments`) as the config hash. Nothing with ``--no-publish``."""
     if getattr(args, "no_publish", False):
         return None
     out = Path(out)
     tag = out.stem[len(producer) + 1:] if out.stem.startswith(producer + "_") else out.stem
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
-              if k not in ("ledger", "no_publish", "out")}
+    if config is None:
+        config = {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(args).items())
+                  if k not in ("ledger", "no_publish", "out")}
     run = publish_result(producer, tag or "run", result, [out, out.with_suffix(".md")], config=config,
                          weights_digest=weights_digest, data_digest=data_digest, ledger=Path(args.ledger))
     print(f"[ledger] run {run.run_id} ({run.name}) appended to {args.ledger}", flush=True)

@@ -84,7 +84,15 @@ def test_dry_plan_runs_nothing(capsys, tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_tiny_qwen3_4b_shape_runs_every_stage(ray_cluster, smollm2_dir, tmp_path, monkeypatch):
-    from pipelines import train
+    from pipelines import ledger, train
+    from pipelines.models import SMOLLM2_NAME
+
+    # The published run's MLflow store and experiment artifacts in tmp_path (the stages' runs share the store).
+    home = tmp_path / "kvpop_home"
+    (home / "models").mkdir(parents=True)
+    (home / "models" / SMOLLM2_NAME).symlink_to(smollm2_dir, target_is_directory=True)
+    monkeypatch.setenv("KVPOP_HOME", str(home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")
 
     complete = train._complete_tracking
 
@@ -94,10 +102,12 @@ def test_tiny_qwen3_4b_shape_runs_every_stage(ray_cluster, smollm2_dir, tmp_path
         complete(cfg, run_id, final)
 
     monkeypatch.setattr(train, "_complete_tracking", fail_after_distilling)
-    out = tmp_path / "result" / "tiny.json"
+    out = tmp_path / "result" / "cost_model_tiny.json"
+    ledger_path = tmp_path / "ledger.jsonl"
     result = cost_model.main(["--shape", "tiny-qwen3-4b", "--device", "cpu", "--seq-len", "256", "--steps", "3",
                               "--warmup-steps", "1", "--contexts", "384", "--prefill-chunk", "128",
-                              "--decode-steps", "2", "--work", str(tmp_path / "work"), "--out", str(out)])
+                              "--decode-steps", "2", "--work", str(tmp_path / "work"), "--out", str(out),
+                              "--ledger", str(ledger_path)])
     config = json.loads((tmp_path / "work" / "model" / "config.json").read_text())
     shape = cost_model.SHAPES["qwen3-4b"]
     assert config["model_type"] == "qwen3"
@@ -133,16 +143,32 @@ def test_tiny_qwen3_4b_shape_runs_every_stage(ray_cluster, smollm2_dir, tmp_path
                                                               "decode_ms_per_token", "decode_tokens_per_s"))
 
     saved = json.loads(out.read_text())
-    assert saved["mlflow_run_id"] == result["mlflow_run_id"] and saved["commit"]
+    assert saved["run_id"] == result["run_id"] and saved["commit"] == ledger.git_commit()
     markdown = out.with_suffix(".md").read_text()
     assert "failed after its steps: OSError: No space left on device" in markdown
     assert "| precompute + distill | 64 |" in markdown and "Reproduce: `python benchmarks/cost_model.py" in markdown
 
+    (line,) = ledger.read(ledger_path)  # the shared publishing path: one ledger line, its id the MLflow run's
+    assert (line.run_id, line.name, line.kind) == (result["run_id"], "cost_model/tiny", "benchmark")
+    assert line.params["shape"] == "tiny-qwen3-4b" and line.params["seq_len"] == 256
+    assert {k: line.tags[k] for k in ("commit", "config_hash", "device", "dtype", "produced_by")} == {
+        "commit": result["commit"], "config_hash": result["config_hash"], "device": result["device"],
+        "dtype": "float32", "produced_by": "benchmarks/cost_model.py"}
+    assert line.metrics == {k: ledger.Metric(v["value"]) for k, v in ledger.cost_model_metrics(result)[1].items()}
+    assert line.metrics["stage/train_distill/tokens_per_s_per_gpu"].value == pytest.approx(rates["train_distill"])
+    assert line.metrics["serving/ctx384/decode_tokens_per_s"].value == row["decode_tokens_per_s"]
+    assert "pipeline/precompute_distill/gpus64/gpu_hours" in line.metrics
+
     import mlflow
 
-    run = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}").get_run(result["mlflow_run_id"])
-    assert run.data.tags["kvpop.model_shape"] == "tiny-qwen3-4b" and run.data.tags["kvpop.config_hash"]
-    assert run.data.metrics["train_distill.tokens_per_s_per_gpu"] == pytest.approx(rates["train_distill"])
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(result["run_id"])
+    assert run.info.status == "FINISHED" and run.info.run_name == "cost_model/tiny"
+    assert {k: run.data.tags[f"kvpop.{k}"] for k in line.tags} == line.tags
+    assert json.loads(run.data.params["shape"]) == "tiny-qwen3-4b"
+    assert run.data.metrics == {k: m.value for k, m in line.metrics.items()}
+    assert sorted(f.path for f in client.list_artifacts(run.info.run_id, "result")) == [
+        "result/cost_model_tiny.json", "result/cost_model_tiny.md"]
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -306,6 +306,40 @@ def test_benchmark_converters_keep_every_table_cell():
     assert "| `m/ctx8192/dense` | 35 | 436.5 | 1.16 |" in table
 
 
+def test_cost_model_converter_keeps_stages_serving_and_gpu_hours():
+    result = {"shape_name": "qwen3-4b", "seq_len": 16384, "budget": "s4-w256-k1788", "gpus": 1, "tokens": 2e9,
+              "device": "NVIDIA H100 80GB HBM3", "dtype": "bfloat16",
+              "stages": [{"stage": "precompute", "tokens_per_s_per_gpu": 9000.5, "peak_gib": 30.2, "wall_s": 61.0},
+                         {"stage": "train_scorer_only", "tokens_per_s_per_gpu": 20000.0, "peak_gib": None,
+                          "wall_s": 80.0, "strategy": "fsdp2"},
+                         {"stage": "train_distill", "error": "OutOfMemoryError: CUDA out of memory"}],
+              "serving": [{"context": 32768, "prefill_s": 2.5, "prefill_tokens_per_s": 13107.2,
+                           "decode_ms_per_token": 20.0, "decode_tokens_per_s": 50.0, "peak_gib": 9.5},
+                          {"context": 131072, "error": "OutOfMemoryError: CUDA out of memory"}],
+              "hours": [{"stage": "precompute", "gpus": 1, "hours": 61.7, "gpu_hours": 61.7},
+                        {"stage": "precompute", "gpus": 8, "hours": 7.7, "gpu_hours": 61.7}],
+              "pipelines": [{"pipeline": "precompute + scorer_only", "gpus": 8, "hours": 11.2, "gpu_hours": 89.5,
+                             "bounded_by": "precompute"}]}
+    params, metrics = L.cost_model_metrics(result)
+    assert params["shape"] == "qwen3-4b" and params["seq_len"] == 16384 and params["tokens"] == 2e9
+    assert metrics == {
+        "stage/precompute/tokens_per_s_per_gpu": {"value": 9000.5}, "stage/precompute/peak_gib": {"value": 30.2},
+        "stage/precompute/wall_s": {"value": 61.0}, "stage/train_scorer_only/tokens_per_s_per_gpu": {"value": 20000.0},
+        "stage/train_scorer_only/wall_s": {"value": 80.0},  # no memory sampled, the failed stage: nothing
+        "serving/ctx32768/prefill_s": {"value": 2.5}, "serving/ctx32768/prefill_tokens_per_s": {"value": 13107.2},
+        "serving/ctx32768/decode_ms_per_token": {"value": 20.0},
+        "serving/ctx32768/decode_tokens_per_s": {"value": 50.0},
+        "serving/ctx32768/peak_gib": {"value": 9.5},
+        "hours/precompute/gpus1/hours": {"value": 61.7}, "hours/precompute/gpus1/gpu_hours": {"value": 61.7},
+        "hours/precompute/gpus8/hours": {"value": 7.7}, "hours/precompute/gpus8/gpu_hours": {"value": 61.7},
+        "pipeline/precompute_scorer_only/gpus8/hours": {"value": 11.2},
+        "pipeline/precompute_scorer_only/gpus8/gpu_hours": {"value": 89.5}}
+    run = L.make_run(L.ledger_id("cost"), "cost_model/h100_qwen3-4b", "benchmark", params, metrics,
+                     {"commit": "abcdef1", "produced_by": "benchmarks/cost_model.py"})  # every key passes the rules
+    table = "\n".join(L._run_table(run))
+    assert "| `pipeline/precompute_scorer_only/gpus8` | — | — | 89.5 | 11.2 |" in table  # one table per run
+
+
 # ------------------------------------------------------------------------------------------------ MLflow
 @pytest.mark.slow
 def test_import_export_round_trip_and_publish(ledger, tmp_path):
@@ -403,6 +437,12 @@ def test_publish_without_mlflow_writes_the_ledger_line_alone(tmp_path, monkeypat
     assert run.tags["config_hash"] == L.fingerprint({"preset": "h200"})
     assert run.metrics == {"kvpop/ctx8192/1/graph_ms": L.Metric(7.4)}
 
+    cost = {"shape_name": "tiny-qwen3-4b", "device": "cpu", "dtype": "float32",
+            "stages": [{"stage": "precompute", "tokens_per_s_per_gpu": 100.0}]}
+    run = L.publish_result("cost_model", "tiny", cost, config={"shape": "tiny-qwen3-4b"}, ledger=ledger)
+    assert (run.name, run.tags["produced_by"], run.params["shape"]) == (
+        "cost_model/tiny", "benchmarks/cost_model.py", "tiny-qwen3-4b")
+
 
 # ------------------------------------------------------------------------------------------------ citations
 # Nothing is lost, every number has a run: the manual's pages cite ledger rows by name, `<producer>/<tag>`, and a
@@ -412,7 +452,7 @@ _NOT_A_NAME = (".py", ".md", ".yaml", ".yml", ".json", ".jsonl", ".tgz", ".sh", 
 # The producers of the ledger, and the prefixes of the result files it was converted from (a page citing one of
 # those by file stem, `compare/…`, cites a name that is not the ledger's).
 _PRODUCERS = {"evaluate", "baselines", "recency_blend", "learning_curves", "compare", "compare_studies",
-              "compare_blends", "train", "capacity", "decode", "kernels", "precompute", "quality"}
+              "compare_blends", "train", "capacity", "decode", "kernels", "precompute", "quality", "cost_model"}
 _NUMBER = r"[−+-]?\d+(?:\.\d+)?"
 _INTERVAL = re.compile(rf"({_NUMBER}) \[({_NUMBER}), ({_NUMBER})\]")
 _RUN = re.compile(r"\brun ([0-9a-f]{8,32})\b")
