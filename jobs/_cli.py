@@ -12,6 +12,9 @@ KeyboardInterrupt can land anywhere — inside ``logging``'s lock release, where
 (the run then hangs), or inside ``ray.init``, whose clean-up then crashes — and nothing needs it, since every stage
 commits its work atomically and resumes after a kill (the processes ``ray.init`` starts share the driver's fate).
 
+The command line is parsed before anything heavy is imported (torch, Ray, transformers take seconds): a bad flag or
+``--help`` answers at once; the stage CLIs import their stage inside ``body``.
+
 The process environment (offline Hugging Face libraries) is set by ``jobs/__init__.py`` (through ``pipelines/__init__.py``),
 before anything imports them.
 """
@@ -21,10 +24,10 @@ import argparse
 import os
 import signal
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from pipelines.cluster import check_address
-from pipelines.config import ConfigError, PipelineConfig, load_config
+if TYPE_CHECKING:
+    from pipelines.config import PipelineConfig
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,6 +68,8 @@ def preflight(cfg: PipelineConfig) -> None:
 
 
 def load(args) -> PipelineConfig:
+    from pipelines.config import load_config
+
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         import yaml
@@ -104,6 +109,9 @@ def main(stage: str, description: str, body: Callable[[PipelineConfig], object],
     runs without Ray (evaluate) does not probe ``ray.address``. ``loader(args)``: what ``body`` gets instead of the
     config (a recipe), loaded and checked by it (its errors are the config's: one line, exit code 2)."""
     args = parser(stage, description).parse_args(argv)
+    from pipelines.cluster import check_address  # once the command line is good (the config module imports torch)
+    from pipelines.config import ConfigError
+
     try:
         try:
             cfg = loader(args) if loader is not None else load(args)

@@ -4,10 +4,11 @@ with ``eval.read_windows``, one more evaluation per read window (pipelines.evalu
 import sys
 
 from jobs._cli import main
-from pipelines import evaluate
 
 
 def body(cfg):
+    from pipelines import evaluate
+
     for result in evaluate.run_readings(cfg):
         print(f"report, predictions and figures: {result.output_dir}{' (reused)' if result.reused else ''}\n"
               f"mlflow run: {result.run_id}")

@@ -69,15 +69,28 @@ def review_hint(uri: str, experiment_id: str) -> str:
     return f"review with `{command}`, then open http://127.0.0.1:5000{page}"
 
 
-def cli(argv=None) -> int:
+def load_any(args):
+    """A recipe (a file with ``phases:``) or one config, each loaded and checked before any stage runs."""
     from pipelines.recipe import is_recipe
 
-    args = sys.argv[1:] if argv is None else list(argv)
-    config = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--config"),
-                  next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), None))
-    if is_recipe(config):
-        return main("pipeline", __doc__, recipe_body, argv, loader=load_recipe)
-    return main("pipeline", __doc__, body, argv)
+    if is_recipe(args.config):
+        return load_recipe(args)
+    from jobs._cli import load
+    from pipelines.cluster import check_address
+
+    cfg = load(args)
+    check_address(cfg)
+    return cfg
+
+
+def run_any(loaded):
+    from pipelines.recipe import Recipe
+
+    return recipe_body(loaded) if isinstance(loaded, Recipe) else body(loaded)
+
+
+def cli(argv=None) -> int:
+    return main("pipeline", __doc__, run_any, argv, loader=load_any)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ Re-running skips committed shards; a killed run resumes. Prints where the shards
 import sys
 
 from jobs._cli import main
-from pipelines import precompute
 
 
 def body(cfg):
+    from pipelines import precompute
+
     result = precompute.run(cfg)
     print(f"targets: {result.path} ({result.shards} shards, {result.computed} computed now)")
 

@@ -5,10 +5,11 @@ A restarted run with the same config resumes from its last checkpoint. Prints th
 import sys
 
 from jobs._cli import main
-from pipelines import train
 
 
 def body(cfg):
+    from pipelines import train
+
     result = train.run(cfg)
     print(f"model: {result.model_dir}\nmlflow run: {result.mlflow_run_id}")
 

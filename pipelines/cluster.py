@@ -17,6 +17,12 @@ Workers get the driver's home and :data:`pipelines.offline.OFFLINE_ENV` in their
 job, environment variables the job's runtime env already sets are not passed again: Ray refuses to merge a driver's
 runtime env that repeats a key of the job's (``Failed to merge the Job's runtime env``).
 
+A cluster this driver starts listens on the loopback interface only (:func:`_start_local`): its node IP is
+127.0.0.1, so that no server of it — Prometheus ``/metrics`` of the autoscaler monitor, the dashboard and its agent
+answer without a token — is reachable from the network. A cluster other machines join is ``infra/local.sh``'s.
+
+Ray Data draws its progress bars only on a terminal: when stderr is a file or a pipe they are off.
+
 Ray Data's no-progress guard (``ray.no_progress_timeout_s``) makes a stuck pipeline fail instead of hanging.
 """
 from __future__ import annotations
@@ -24,7 +30,9 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import time
+from unittest import mock
 
 from pipelines.config import ConfigError, PipelineConfig, env_home
 from pipelines.offline import OFFLINE_ENV
@@ -131,11 +139,30 @@ def ensure_ray(cfg: PipelineConfig) -> None:
         elif _recorded_cluster() is not None:
             ray.init(address="auto", runtime_env=runtime_env, log_to_driver=True)
         else:  # "local": never the stale record of a stopped `ray start` cluster
-            ray.init(address="local", num_cpus=cfg.ray.num_cpus, runtime_env=runtime_env, log_to_driver=True)
+            _start_local(cfg, runtime_env)
     from ray.data import DataContext
 
     context = DataContext.get_current()
     context.execution_no_progress_timeout_s = float(cfg.ray.no_progress_timeout_s)
+    if not sys.stderr.isatty():  # a log file or pipe: its cursor-up progress bars are hundreds of lines of noise
+        context.enable_progress_bars = False
+
+
+LOOPBACK = "127.0.0.1"
+# Ray's single-machine mode (its default on macOS and Windows): node IP = loopback. Elsewhere ray.init turns a node IP
+# of 127.0.0.1 into the machine's reachable address, and the servers bind to that, or to every interface.
+SINGLE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _start_local(cfg: PipelineConfig, runtime_env: dict) -> None:
+    """Start this driver's own one-node cluster, every server of it on :data:`LOOPBACK`."""
+    import ray
+    from ray._private import ray_constants
+
+    os.environ[SINGLE_MACHINE_ENV] = "0"  # the processes ray.init starts read it when they import ray
+    with mock.patch.object(ray_constants, "ENABLE_RAY_CLUSTER", False):  # this process imported ray already
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, runtime_env=runtime_env, log_to_driver=True,
+                 _node_ip_address=LOOPBACK)
 
 
 def require_resources(what: str, cpus: float, gpus: float = 0.0) -> None:

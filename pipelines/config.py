@@ -387,7 +387,7 @@ class EvalConfig(OptionalSettings):
     generation_tokens: int = 64  # greedy tokens per long generation
     resamples: int = 4000  # bootstrap resamples (fixed seed); exact enumeration when fewer distinct ones exist
     checkpoint: str = ""  # a saved retrofitted model; default: the train stage's output for this config
-    batch_size: int = 4  # held-out sequences per teacher-forced forward
+    batch_size: int = 4  # held-out sequences per teacher-forced forward (fixed: not sized to the free GPU memory)
     generation_batch_size: int = 12  # prompts per left-padded generation batch
     dynamic_sequences: int = 4  # TOVA/H2O teacher-forced on the first N held-out sequences only; 0 = all
     baselines: dict = field(default_factory=dict)  # trained baselines as extra rows: {row name: a saved retrofitted
@@ -527,6 +527,18 @@ def _validate_eval(ev: "EvalConfig") -> None:
     _require(checks)
 
 
+def _yaml_problem(err) -> str:
+    """PyYAML's error on one line with its position (its own text spreads them over several lines)."""
+    mark, problem = getattr(err, "problem_mark", None), getattr(err, "problem", None)
+    if mark is None or not problem:
+        return " ".join(str(err).split())
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    context, where = getattr(err, "context", None), getattr(err, "context_mark", None)
+    if context and where is not None:
+        text += f" ({context} at line {where.line + 1}, column {where.column + 1})"
+    return text
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:
     """The default config, updated by a YAML file, then by ``key=value`` overrides (dotted keys)."""
     tree: dict = {}
@@ -537,7 +549,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         try:
             tree = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({err})") from None
+            raise ConfigError(f"{path}: not valid YAML ({_yaml_problem(err)})") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     for item in overrides:

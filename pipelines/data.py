@@ -44,9 +44,12 @@ are cached under its own hash too (the cache :func:`mix_config` alone would use)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import random
+import shutil
 import sys
 import sysconfig
 import time
@@ -152,23 +155,56 @@ def _load_local(path: Path, cfg: PipelineConfig):
     if all(f.stat().st_size == 0 for f in files):
         raise ConfigError(f"data.source {path} is empty: it holds no documents; point data.source at a dataset with "
                           f"text")
+    cache = Path(cache_dir)
+    before = set(cache.rglob("*")) if cache.is_dir() else None
     try:
-        return datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train",
-                                     cache_dir=cache_dir)
+        with _datasets_logs_silenced():  # its builder logs the parse error too: the ConfigError line says it once
+            return datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train",
+                                         cache_dir=cache_dir)
     except Exception as err:  # malformed json/parquet
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
-        raise ConfigError(f"data.source {path}: cannot read it as a dataset ({type(err).__name__}: {detail})") \
-            from None
+        _remove_new(cache, before)  # the failed build's lock files and folders: a bad input writes nothing
+        cause = err.__cause__ or err  # datasets wraps the reader's error in a generic DatasetGenerationError
+        detail = " ".join(str(cause).split()) or "no detail"
+        raise ConfigError(f"data.source {path}: cannot read it as a dataset ({type(cause).__name__}: "
+                          f"{detail[:300]})") from None
+
+
+@contextlib.contextmanager
+def _datasets_logs_silenced() -> Iterator[None]:
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _remove_new(root: Path, before: set[Path] | None) -> None:
+    """Remove what appeared under ``root`` since ``before`` (its paths then; None: ``root`` did not exist)."""
+    if before is None:
+        shutil.rmtree(root, ignore_errors=True)
+        return
+    new = set(root.rglob("*")) - before if root.is_dir() else set()
+    for path in sorted(p for p in new if p.parent not in new):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def _load_hub(cfg: PipelineConfig):
     try:
         return datasets.load_dataset(cfg.data.source, split=cfg.data.split,
                                      cache_dir=str(cfg.home_dir() / "cache" / "hf-datasets"))
+    except ConnectionError:  # datasets' word for "offline and not in the local cache": nothing tried to connect
+        raise ConfigError(f"data.source {cfg.data.source!r} is not a local file or folder, and a hub dataset name "
+                          f"is read only from the local Hugging Face cache (KVpop runs offline, it never downloads): "
+                          f"save the dataset with save_to_disk and point data.source at that folder") from None
     except Exception as err:
-        raise ConfigError(f"data.source {cfg.data.source!r} is not a local path and could not be loaded from the "
-                          f"Hugging Face hub ({type(err).__name__}); offline? save it with save_to_disk and point "
-                          f"data.source at the folder") from None
+        detail = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ConfigError(f"data.source {cfg.data.source!r} (a hub dataset name, from the local cache): "
+                          f"{detail}") from None
 
 
 def load_documents(cfg: PipelineConfig) -> list[tuple[str, str]]:

@@ -30,6 +30,7 @@ per (layer, head) mean and max and its peak.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import shutil
@@ -76,6 +77,27 @@ def trained_model_path(cfg: PipelineConfig) -> Path:
     return path
 
 
+ARCHITECTURE_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads")
+
+
+def check_checkpoint_base(cfg: PipelineConfig, path: Path) -> None:
+    """``eval.checkpoint``, a folder with its own weights (distilled, or saved whole), must have ``model.path``'s
+    architecture (:data:`ARCHITECTURE_KEYS`), else one :class:`ConfigError` naming both: otherwise another model would
+    be evaluated against its own dense reference while the config names this one. (A scorer-only folder's base is
+    held to its tensors digest by :func:`pipelines.identity.base_folder`.)"""
+    model = cfg.model.resolved_path()
+    try:
+        theirs, ours = (json.loads((folder / "config.json").read_text()) for folder in (path, model))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"eval.checkpoint {path} against model.path {model}: {err}") from None
+    differs = {k: (theirs.get(k), ours.get(k)) for k in ARCHITECTURE_KEYS if theirs.get(k) != ours.get(k)}
+    if differs:
+        raise ConfigError(f"eval.checkpoint {path} is another model than model.path {model} ("
+                          + ", ".join(f"{k} {a} vs {b}" for k, (a, b) in differs.items())
+                          + "): set model.path to the checkpoint's base model")
+
+
 def resolve_budgets(base: Budget, seq_len: int, totals=(), ratios=()) -> tuple[list[Budget], list[dict]]:
     """``(budgets, unreachable)``: ``base``'s sink and window with ``topk`` from each total or CR, largest first;
     a CR whose total is below sink + window goes to ``unreachable``. Neither given: ``[base]``."""
@@ -118,6 +140,8 @@ def plan(cfg: PipelineConfig) -> dict:
     """Everything the evaluation depends on, resolved without loading the model, and the directory key."""
     path = trained_model_path(cfg)
     weights = base_folder(cfg, path)  # a scorer-only checkpoint's base: model.path, refused unless its tensors match
+    if cfg.eval.checkpoint and weights == path:  # a folder with its own weights: it must be of model.path's kind
+        check_checkpoint_base(cfg, path)
     tokenizer = eval_parts.checkpoint_tokenizer(path) or load_tokenizer(cfg)
     sequences = eval_parts.heldout_sequences(cfg, tokenizer)
     if not sequences:
@@ -169,7 +193,7 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
         text = (out / "report.txt").read_text()
         print(text + f"\n(complete result reused from {out})", flush=True)
         summary = json.loads((out / "metrics.json").read_text())["summary"]
-        run_id = _log(cfg, out, p, summary, done.get("run_id"))
+        run_id = _log(cfg, out, p, summary, done.get("run_id"), done.get("seconds"))
         if run_id != done.get("run_id"):
             atomic_write_text(marker, json.dumps({**done, "run_id": run_id}, indent=1))
         records.commit(cfg, "evaluate", {"output_dir": str(out), "mlflow_run_id": run_id})
@@ -188,12 +212,13 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     p["evicting"] = {b.total: runner.evicting_share([len(ids) for ids in p["prompts"]], cfg.eval.generation_tokens,
                                                     b.total) for b in p["budgets"]} if p["prompts"] else {}
     finished = eval_parts.FinishedParts(parts_dir(out))
-    items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress, finished=finished)
-    for name, baseline in baselines.items():
-        found, spent = eval_parts.baseline_items(cfg, p, name, baseline, reference or model,
-                                                 p["occupancy"].get(name), progress=progress, finished=finished)
-        items += found
-        seconds.update(spent)
+    with _memory_limit(cfg, device):
+        items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress, finished=finished)
+        for name, baseline in baselines.items():
+            found, spent = eval_parts.baseline_items(cfg, p, name, baseline, reference or model,
+                                                     p["occupancy"].get(name), progress=progress, finished=finished)
+            items += found
+            seconds.update(spent)
     budgets = [{"B": b.total, "CR": 1 - b.total / p["seq_len"], "budget": str(b)} for b in p["budgets"]]
     summary = report.summarize(items, budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)
     summary["occupancy"] = p["occupancy"]
@@ -211,10 +236,30 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     report.save_figures(summary, budgets, out)
     seconds["total"] = time.perf_counter() - t0
     run_id = _log(cfg, out, p, summary, None, seconds)
+    records.crash_point("evaluate.logged")
     atomic_write_text(marker, json.dumps({"key": p["key"], "run_id": run_id, "seconds": seconds}, indent=1))
+    records.crash_point("evaluate.complete")
     shutil.rmtree(parts_dir(out), ignore_errors=True)  # predictions.jsonl holds every record now
     records.commit(cfg, "evaluate", {"output_dir": str(out), "mlflow_run_id": run_id})  # the hand-over, last
     return EvalResult(out, summary, text, run_id, seconds, False)
+
+
+@contextlib.contextmanager
+def _memory_limit(cfg: PipelineConfig, device: torch.device):
+    """Out of device memory is one :class:`ConfigError` line saying which settings to lower. The batches are the
+    config's, not sized to the free memory (a documented limit: several evaluations sharing a GPU must split it by
+    their batch sizes); the parts finished before it are kept, and a re-run resumes after them."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        free = ""
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            free = f" ({torch.cuda.mem_get_info(device)[0] / 2**30:.1f} GiB free now)"
+        raise ConfigError(f"out of {device.type} memory{free} at eval.batch_size={cfg.eval.batch_size}, "
+                          f"eval.generation_batch_size={cfg.eval.generation_batch_size}: the evaluation does not size "
+                          f"its batches to the free memory; lower them (finished parts are kept: a re-run resumes)") \
+            from None
 
 
 def parts_summary(folder: Path, seq_len: int, *, resamples: int = stats.RESAMPLES,
@@ -248,19 +293,24 @@ def parts_dir(out: Path) -> Path:
 
 
 def _log(cfg: PipelineConfig, out: Path, p: dict, summary: dict, run_id: str | None, seconds: dict | None = None):
-    """The MLflow run ``evaluate-<key>``: reuse a finished one, resume an unfinished one, else start it."""
+    """The MLflow run ``evaluate-<key>``: reuse a finished one, resume an unfinished one, else start it (with the
+    ``seconds.*`` of the evaluation that made ``out``, also when a reused directory's run is logged afresh)."""
     import mlflow
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.data.sources import LocalArtifactDatasetSource
 
     name = f"evaluate-{p['key']}"
-    run_id = run_id or tracking.find_run(cfg, name, "evaluate")
+    tracking.setup(cfg)  # the config's store: asked before it is set, MLflow answers from ./mlflow.db
+    client = mlflow.MlflowClient(cfg.tracking_uri())
     if run_id is not None:
         try:
-            if mlflow.get_run(run_id).info.status == "FINISHED":
+            if client.get_run(run_id).info.status == "FINISHED":
                 return run_id
-        except mlflow.exceptions.MlflowException:  # gone from this store: log it afresh
+        except mlflow.exceptions.MlflowException:  # gone from this store: the run by name, else log it afresh
             run_id = None
+    run_id = run_id or tracking.find_run(cfg, name, "evaluate")
+    if run_id is not None and client.get_run(run_id).info.status == "FINISHED":
+        return run_id
     with tracking.run(cfg, name, stage="evaluate", run_id=run_id, tags={"kvpop.checkpoint": str(p["path"])}) as active:
         items = list(report.mlflow_metrics(summary).items()) + [(f"seconds.{k}", v) for k, v in (seconds or {}).items()]
         for start in range(0, len(items), 500):

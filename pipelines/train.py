@@ -22,7 +22,9 @@
    run (:func:`make_trainer`; workers run :func:`pipelines.train_worker.train_loop` with a
    :class:`~pipelines.train_worker.TrainSpec`) resumes from the run's last checkpoint if there is one (a fresh run
    starts its scorers from ``train.init_from`` if set; a resumed one from its own checkpoint, whatever init_from).
-   Fewer steps than the run's final model holds is refused: a run only grows.
+   Fewer steps than the run's final model holds is refused: a run only grows. A run whose latest checkpoint fails
+   its manifest (:func:`check_resumable`, :mod:`kvpop.checkpointing`) is refused in one line before anything starts;
+   a failure while a FINISHED run trains further leaves it FINISHED (its model and record stay valid).
    The rows reach the workers as one Ray Dataset in the run's order: file order every epoch, or — online, or with
    ``train.shuffle_seed`` — epoch after epoch in :func:`epoch_permutation`'s order (:func:`ordered_dataset`), so a
    resumed run skips exactly the batches it trained on.
@@ -39,6 +41,7 @@ read, no tokenizer, no weight hashing. :func:`make_spec` and :func:`make_trainer
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +50,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from kvpop import checkpointing
 from kvpop.budget import Budget
 from kvpop.objective import DMSObjective, Objective, StreamingObjective
 from kvpop.retrofit import check_scorer_folder
@@ -61,6 +65,7 @@ from pipelines.train_worker import TrainSpec, train_loop, trained_steps
 
 FINAL_MODEL = "final_model"
 CURVE_ARTIFACT = "learning_curve.png"  # the run's held-out learning curve (train.eval_every), beside final_model
+RAY_CHECKPOINT_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train V2's record of a run's checkpoints
 READ_ONCE_BYTES = 256 << 20  # targets up to this size on disk are read once per run, not once per epoch
 
 
@@ -372,18 +377,45 @@ def _join_cluster(cfg: PipelineConfig) -> None:
                       t.num_workers if t.use_gpu else 0)
 
 
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint folder Ray Train hands a restarted run (the latest in its checkpoint manager's snapshot), or
+    None if the run has none."""
+    try:
+        snapshot = json.loads((run_dir / RAY_CHECKPOINT_SNAPSHOT).read_text())
+        name = snapshot["latest_checkpoint_result"]["checkpoint_dir_name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return run_dir / name
+
+
+def check_resumable(run_dir: Path) -> None:
+    """The run's latest checkpoint, if any, is intact (:func:`kvpop.checkpointing.verify`), else one
+    :class:`ConfigError` saying what to do — before Ray starts, MLflow is touched or anything is unpickled. A damaged
+    checkpoint is refused rather than skipped: Ray Train resumes from its latest one only."""
+    folder = latest_checkpoint(run_dir)
+    if folder is None:
+        return
+    try:
+        checkpointing.verify(folder)
+    except checkpointing.CheckpointError as err:
+        raise ConfigError(f"{err}: this run cannot resume from it; nothing was trained. Delete {run_dir} to train "
+                          f"the run again from step 0, or set train.run_name to train a new run") from None
+
+
 def _fit(cfg: PipelineConfig, targets: TrainInputs, name: str, run_id: str) -> dict:
     """Train the run to ``train.steps`` (resuming from its last checkpoint); the last metrics. Marks the MLflow run
-    FAILED if training fails."""
+    FAILED if training fails — unless it was FINISHED (a finished run asked for more steps: its model and record
+    are still intact, and say so)."""
     import mlflow
 
     client = mlflow.MlflowClient(cfg.tracking_uri())
+    before = client.get_run(run_id).info.status
     client.update_run(run_id, status="RUNNING")
     spec = make_spec(cfg, targets, name, runs_root(cfg), run_id)
     try:
         result = make_trainer(cfg, targets, spec).fit()
     except BaseException:
-        client.set_terminated(run_id, "FAILED")
+        client.set_terminated(run_id, "FINISHED" if before == "FINISHED" else "FAILED")
         raise
     return dict(result.metrics or {})
 
@@ -425,6 +457,7 @@ def run(cfg: PipelineConfig) -> TrainResult:
                           f"train.steps={done} to use that run, or set train.run_name to train a new run")
 
     if done != steps:
+        check_resumable(run_dir)
         _join_cluster(cfg)  # before the MLflow run: a cluster that cannot train leaves nothing behind
     run_id = tracking.find_run(cfg, name, "train") or tracking.create_run(
         cfg, name, stage="train", tags={"kvpop.targets": str(targets.path),

@@ -28,7 +28,10 @@ also evaluates held-out items at step 0 of a fresh run, every ``eval_every`` ste
 writes its shard of the model and optimizer state — only what trains in scorer-only mode — reported through
 ``ray.train.report``). A restarted worker group gets the latest one from ``ray.train.get_checkpoint()``, restores it
 and skips the batches already consumed (:func:`start_student`: the run's own checkpoint always wins over
-``init_from``, which only seeds a fresh run). DCP checkpoints are pickles: resume only from run folders you wrote.
+``init_from``, which only seeds a fresh run). DCP checkpoints are pickles: resume only from run folders you wrote
+(each carries a manifest that :func:`kvpop.checkpointing.load` verifies first, and the driver before it starts us).
+A resumed run replays the steps after its checkpoint: their metrics reach MLflow only past the run's last logged
+step (:func:`_last_logged_step`), so that each step has one point in every history.
 
 **The final model** (rank 0, gathered from the shards): :func:`write_final_model`, a :func:`kvpop.save_retrofitted`
 folder — the scorers and the base model's identity in scorer-only mode (the base weights did not change), the full
@@ -281,6 +284,11 @@ def _log_metrics(client, run_id: str, metrics: dict, step: int) -> None:
                                       if k not in ("step", "resumed_from")])
 
 
+def _last_logged_step(client, run_id: str) -> int:
+    """The last step the run's metric histories hold (``step_s`` is logged at every logged step), 0 if none."""
+    return max((m.step for m in client.get_metric_history(run_id, "step_s")), default=0)
+
+
 def _report_checkpoint(model, optimizer, spec: TrainSpec, step: int, metrics: dict) -> None:
     import ray.train
 
@@ -382,11 +390,12 @@ def train_loop(config: dict) -> None:
     model, tokenizer, optimizer, trainable, start_step = start_student(spec, device, rank,
                                                                        ray.train.get_checkpoint())
 
-    client = None
+    client, logged_up_to = None, 0
     if rank == 0:
         import mlflow
 
         client = mlflow.MlflowClient(spec.tracking_uri)
+        logged_up_to = _last_logged_step(client, spec.mlflow_run_id)
     batches = _batches(ray.train.get_dataset_shard("train"), spec.batch_size, start_step, device)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if spec.bf16 and not spec.sharded
                 and device.type == "cuda" else contextlib.nullcontext())
@@ -427,7 +436,8 @@ def train_loop(config: dict) -> None:
                    "step_s": seconds, "data_wait_s": t0 - t_wait, "resumed_from": start_step,
                    "lr": optimizer.param_groups[0]["lr"]}
         if rank == 0 and (step % spec.log_every == 0 or step == spec.steps):
-            _log_metrics(client, spec.mlflow_run_id, metrics, step)
+            if step > logged_up_to:  # a replayed step after a resume is in the histories already
+                _log_metrics(client, spec.mlflow_run_id, metrics, step)
             shown = " ".join(f"{k} {metrics[k]:.4f}" for k in names)
             print(f"[kvpop.train] step {step}/{spec.steps} {shown} {metrics['tokens_per_s']:.0f} tok/s", flush=True)
         if spec.eval_every and (step % spec.eval_every == 0 or step == spec.steps):

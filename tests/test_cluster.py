@@ -110,3 +110,66 @@ def test_a_recorded_local_cluster_is_joined_as_auto(no_ray_address, monkeypatch,
     monkeypatch.setattr(cluster, "_recorded_cluster", lambda: "192.0.2.1:6379")
     cluster.ensure_ray(_cfg(home=str(tmp_path)))
     assert calls[0]["address"] == "auto"
+
+
+LISTENERS = """
+import json, sys
+import psutil, ray
+from pipelines import cluster
+from pipelines.config import load_config
+
+cluster.ensure_ray(load_config(None, [f"home={sys.argv[1]}"]))
+assert ray.data.range(8).map(lambda row: {"id": row["id"] + 1}).sum("id") == 36  # the cluster works
+me = psutil.Process()
+print(json.dumps(sorted({(p.name(), c.laddr.ip, c.laddr.port) for p in [me, *me.children(recursive=True)]
+                         for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN})))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_the_cluster_a_driver_starts_listens_on_loopback_only(no_ray_address, tmp_path):
+    """Its Prometheus endpoints (autoscaler monitor, dashboard, dashboard agent) answer without a token: no server of
+    it may be reachable from the network. In its own process: the test session may hold a cluster already."""
+    import ipaddress
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    env["RAY_TMPDIR"] = short = tempfile.mkdtemp(prefix="kvpop-", dir="/tmp")  # never a `ray start` record of
+    try:                                                                         # this machine's (a short path:
+        done = subprocess.run([sys.executable, "-c", LISTENERS, str(tmp_path)], env=env,  # Ray's sockets live there)
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    listeners = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(listeners) >= 5  # GCS, raylet, dashboard, agents, workers
+    exposed = [entry for entry in listeners
+               if not ipaddress.ip_address(entry[1].removeprefix("::ffff:")).is_loopback]
+    assert exposed == []
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_ray_datas_progress_bars_only_on_a_terminal(no_ray_address, monkeypatch, tmp_path, terminal):
+    import io
+
+    import ray
+    from ray.data import DataContext
+
+    class Stderr(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    context = DataContext.get_current()
+    monkeypatch.setattr(context, "enable_progress_bars", True)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)  # joined already: only the Data context changes
+    monkeypatch.setattr("sys.stderr", Stderr())
+    cluster.ensure_ray(_cfg(home=str(tmp_path)))
+    assert DataContext.get_current().enable_progress_bars is terminal

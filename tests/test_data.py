@@ -102,7 +102,7 @@ def test_champ_corpus_is_the_default(tmp_path, tokenizer):
     ("no_text", "has no column 'text'"),
     ("empty", "no documents"),
     ("too_small", "fewer than the"),
-    ("hub", "could not be loaded from the Hugging Face hub"),
+    ("hub", "is not a local file or folder, and a hub dataset name is read only from the local Hugging Face cache"),
 ])
 def test_bad_sources_fail_with_one_clear_error(tmp_path, tokenizer, case, message):
     extra = []

@@ -55,7 +55,8 @@ def setup(tokenizer, tmp_path, monkeypatch):
     monkeypatch.setattr(eval_parts, "heldout_sequences", lambda cfg, tok: heldout)
     monkeypatch.setattr(eval_parts, "training_documents", lambda cfg, tok: [])
     cfg = config_from_dict({
-        "home": str(tmp_path / "home"), "budget": {"sink": 2, "window": 8, "topk": 14},
+        "home": str(tmp_path / "home"), "model": {"path": str(checkpoint)},  # a folder with its weights: their own base
+        "budget": {"sink": 2, "window": 8, "topk": 14},
         "precompute": {"windows": [8]}, "data": {"seq_len": SEQ}, "tracking": {"experiment": "tests"},
         "eval": {"checkpoint": str(checkpoint), "budgets": [24], "compression_ratios": [0.75, 0.875],
                  "policies": ["dense", "streaming", "tova", "oracle", "kvpop"], "tasks": ["niah_single"],
@@ -66,7 +67,7 @@ def setup(tokenizer, tmp_path, monkeypatch):
 
 
 @pytest.mark.pretrained
-def test_run_writes_a_complete_directory_logs_it_once_and_reuses_it(setup, monkeypatch):
+def test_run_writes_a_complete_directory_logs_it_once_and_reuses_it(setup, monkeypatch, tmp_path):
     import mlflow
 
     cfg, checkpoint = setup
@@ -114,12 +115,34 @@ def test_run_writes_a_complete_directory_logs_it_once_and_reuses_it(setup, monke
         raise AssertionError("a complete result must not load the model again")
 
     monkeypatch.setattr(eval_parts, "load_models", no_model)
-    again = E.run(cfg, progress=False)
-    assert again.reused and again.output_dir == out and again.run_id == result.run_id
-    assert again.summary == summary
-    runs = mlflow.search_runs(experiment_names=["tests"], filter_string=f"tags.mlflow.runName = 'evaluate-{out.name}'",
-                              output_format="list")
+    # a re-run is a fresh process: MLflow's tracking URI is its default again, the working directory another one
+    mlflow.set_tracking_uri(None)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for _ in range(2):
+        again = E.run(cfg, progress=False)
+        assert again.reused and again.output_dir == out and again.run_id == result.run_id
+        assert again.summary == summary
+        mlflow.set_tracking_uri(None)
+        monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert list(cwd.iterdir()) == []  # no stray ./mlflow.db
+    store = mlflow.MlflowClient(cfg.tracking_uri())
+    runs = store.search_runs([store.get_experiment_by_name("tests").experiment_id],
+                             filter_string=f"tags.mlflow.runName = 'evaluate-{out.name}'")
     assert len(runs) == 1  # no second run with the same name
+
+    # a store that never saw the run (another tracking.uri) gets it once, as complete as the first one
+    elsewhere = config_from_dict({**cfg.to_dict(), "tracking": {"uri": f"sqlite:///{tmp_path / 'other.db'}",
+                                                                "experiment": "tests"}})
+    copy = E.run(elsewhere, progress=False)
+    assert copy.reused and copy.run_id != result.run_id
+    copied = mlflow.MlflowClient(elsewhere.tracking_uri()).get_run(copy.run_id)
+    assert copied.info.status == "FINISHED"
+    assert {k for k in copied.data.metrics if k.startswith("seconds.")} == {k for k in metrics
+                                                                          if k.startswith("seconds.")} != set()
+    assert E.run(elsewhere, progress=False).run_id == copy.run_id
 
 
 @pytest.mark.pretrained
@@ -237,3 +260,89 @@ def test_bad_eval_inputs_are_clear_errors(setup):
             config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], key: value}})
     with pytest.raises(ConfigError, match="no trained retrofitted model"):
         E.plan(config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "checkpoint": str(checkpoint.parent)}}))
+
+
+@pytest.mark.pretrained
+def test_a_checkpoint_of_another_base_model_is_refused_naming_both(setup, tokenizer, tmp_path):
+    from kvpop.pretrained import load_pretrained
+    from tests.models import save_tiny_teacher
+
+    cfg, checkpoint = setup
+    base, other = (save_tiny_teacher(tmp_path / name, tokenizer, seed=seed) for name, seed in (("a", 0), ("b", 1)))
+    scorers = kvpop.save_retrofitted(kvpop.retrofit(load_pretrained(base)[0], Budget(2, 8, 14), scorer="mlp"),
+                                     tmp_path / "scorers", tokenizer, base=base)
+
+    def with_model(path, folder):
+        return config_from_dict({**cfg.to_dict(), "model": {"path": str(path)},
+                                 "eval": {**cfg.to_dict()["eval"], "checkpoint": str(folder)}})
+
+    E.plan(with_model(base, scorers))  # its own base: accepted
+    with pytest.raises(ConfigError) as err:  # same architecture, other weights
+        E.plan(with_model(other, scorers))
+    assert str(scorers) in str(err.value) and str(other) in str(err.value) and "\n" not in str(err.value)
+    wide = save_tiny_teacher(tmp_path / "wide", tokenizer, layers=3)
+    with pytest.raises(ConfigError, match="num_hidden_layers 2 vs 3") as err:  # a folder with its own weights
+        E.plan(with_model(wide, checkpoint))
+    assert str(checkpoint) in str(err.value) and str(wide) in str(err.value)
+    assert not (cfg.home_dir() / "eval").exists()
+
+
+@pytest.mark.pretrained
+def test_out_of_memory_is_one_line_naming_the_batch_sizes(setup, monkeypatch):
+    cfg, _ = setup
+
+    def too_big(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(eval_parts, "evaluate_items", too_big)
+    with pytest.raises(ConfigError) as err:
+        E.run(cfg, progress=False)
+    message = str(err.value)
+    assert "\n" not in message and "out of cpu memory at eval.batch_size=2, eval.generation_batch_size=3" in message
+    assert not (cfg.home_dir() / "eval" / E.plan(cfg)["key"] / "complete.json").exists()
+
+
+KILLED_DRIVER = """
+import json, sys
+from pipelines import eval_parts, evaluate
+from pipelines.config import config_from_dict
+
+heldout = json.loads(sys.argv[2])
+eval_parts.heldout_sequences = lambda cfg, tokenizer: heldout
+eval_parts.training_documents = lambda cfg, tokenizer: []
+evaluate.run(config_from_dict(json.loads(sys.argv[1])), progress=False)
+"""
+
+
+@pytest.mark.pretrained
+@pytest.mark.slow
+@pytest.mark.parametrize("crash_at", ["evaluate.logged", "evaluate.complete"])
+def test_a_killed_evaluation_completes_on_a_rerun_with_one_finished_run(setup, monkeypatch, crash_at):
+    """A driver killed after logging its MLflow run, or after the completion marker, then a re-run: one FINISHED run
+    ``evaluate-<key>``, the directory complete, the hand-over record written."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlflow
+
+    from pipelines import records
+
+    cfg, _ = setup
+    cfg = config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "task_samples": 0,
+                                                       "generation_prompts": 0}})  # held-out text only: faster
+    heldout = eval_parts.heldout_sequences(cfg, None)  # the fixture's
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), records.CRASH_ENV: crash_at}
+    killed = subprocess.run([sys.executable, "-c", KILLED_DRIVER, json.dumps(cfg.to_dict()), json.dumps(heldout)],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert killed.returncode == records.CRASH_EXIT_CODE, killed.stderr[-3000:]
+    assert records.for_config(cfg, "evaluate") is None
+    result = E.run(cfg, progress=False)
+    assert (result.output_dir / "complete.json").is_file()
+    assert records.for_config(cfg, "evaluate").payload["mlflow_run_id"] == result.run_id
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    runs = client.search_runs([client.get_experiment_by_name("tests").experiment_id],
+                              filter_string=f"tags.mlflow.runName = 'evaluate-{result.output_dir.name}'")
+    assert [r.info.status for r in runs] == ["FINISHED"] and runs[0].info.run_id == result.run_id
+    assert "seconds.total" in runs[0].data.metrics

@@ -43,7 +43,8 @@ def _bad_inputs(tiny: Path, tmp: Path) -> dict[str, tuple[list[str], str]]:
         "wrong_type": (["--set", "data.seq_len=long"], "data.seq_len: expected an integer, got 'long'"),
         "wrong_type_list": (["--set", "precompute.windows=32"], "precompute.windows: expected a list"),
         "missing_config": (["--config", str(tmp / "missing.yaml")], "missing.yaml does not exist"),
-        "bad_yaml": (["--config", str(tmp / "bad.yaml")], "not valid YAML"),
+        "bad_yaml": (["--config", str(tmp / "bad.yaml")], "not valid YAML (line 2, column 1: expected ',' or ']', "
+                     "but got '<stream end>' (while parsing a flow sequence at line 1, column 8))"),
         "missing_model": (["--set", f"model.path={tmp / 'no-model'}"], "no-model does not exist"),
         "model_without_model_type": (model[2:] + ["--set", f"model.path={tmp / 'untyped'}"],
                                      "config.json has no model_type"),
@@ -267,3 +268,22 @@ def test_the_closing_line_says_how_to_open_the_runs():
         f"http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning")
     assert review_hint("http://10.0.0.1:5000/", "7") == \
         "open http://10.0.0.1:5000/#/experiments/7?workflowType=machine_learning"
+
+
+HEAVY = ("torch", "ray", "transformers", "datasets", "mlflow")
+
+
+def test_a_bad_command_line_answers_before_any_heavy_import():
+    """Each stage CLI parses its command line before importing torch, Ray or transformers (seconds each): a bad flag
+    is exit 2 with none of them loaded (one process, the stages in turn)."""
+    code = ("import sys\n"
+            "for stage in sys.argv[1:]:\n"
+            "    module = __import__(f'jobs.{stage}', fromlist=['cli'])\n"
+            "    try:\n"
+            "        module.cli(['--bad-flag'])\n"
+            "    except SystemExit as done:\n"
+            f"        print(stage, done.code, [m for m in {HEAVY!r} if m in sys.modules])\n")
+    stages = ["precompute", "train", "sweep", "evaluate", "pipeline"]
+    done = subprocess.run([sys.executable, "-c", code, *stages], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.stdout.splitlines() == [f"{stage} 2 []" for stage in stages], done.stderr

@@ -73,8 +73,8 @@ def test_hub_source_fails_at_once_with_zero_network_attempts(tiny_setup, tmp_pat
     assert attempts == [], attempts
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
-    assert lines[0].startswith("kvpop precompute: error: data.source 'someorg/somedataset' is not a local path and "
-                               "could not be loaded from the Hugging Face hub")
+    assert lines[0].startswith("kvpop precompute: error: data.source 'someorg/somedataset' is not a local file or "
+                               "folder, and a hub dataset name is read only from the local Hugging Face cache")
     assert elapsed < 120, elapsed  # imports included; nothing waits on a network (it took 28 s of retries before)
 
 

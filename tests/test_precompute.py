@@ -219,3 +219,26 @@ def test_the_python_api_checks_the_model_before_it_writes(tiny_setup, tmp_path):
     with pytest.raises(ConfigError, match="config.json has no model_type"):
         precompute.run(tiny_config(tiny_setup, home, f"model.path={untyped}"))
     assert _written(home) == []
+
+
+@pytest.mark.parametrize("name, content", [("bad.jsonl", b"garbage{{{\nnot json\n"), ("bad.parquet", b"PAR1garbage")])
+def test_a_garbage_corpus_file_is_one_line_and_leaves_no_cache_entry(tiny_setup, tmp_path, capfd, quiet_datasets,
+                                                                     name, content):
+    import jobs.precompute
+    from jobs._cli import main
+
+    source = tmp_path / name
+    source.write_bytes(content)
+    home = tmp_path / "home"
+    code = main("precompute", jobs.precompute.__doc__, jobs.precompute.body,
+                _argv(tiny_setup, home, f"data.source={source}"))
+    err = capfd.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and f"data.source {source}: cannot read it as a dataset (ArrowInvalid" in err[0]
+    assert not (home / "cache" / "hf-datasets").exists()  # no builder lock files or folders left behind
+
+
+def test_a_hub_dataset_name_says_the_run_is_offline(tiny_setup, tmp_path, capsys, quiet_datasets):
+    code, err = _cli(_argv(tiny_setup, tmp_path / "home", "data.source=someone/some-corpus"), capsys)
+    assert code == 2 and len(err) == 1, err
+    assert "'someone/some-corpus' is not a local file or folder" in err[0] and "offline" in err[0]
+    assert "ConnectionError" not in err[0]

@@ -1,5 +1,8 @@
 """kvpop.sharding (FSDP2 plan) and kvpop.checkpointing (DCP round trip) on CPU: gloo, world size 1."""
 import copy
+import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -104,3 +107,44 @@ def test_checkpoint_round_trip(tmp_path, request, sharded, mode):
     assert not result.missing_keys and not result.unexpected_keys
     torch.testing.assert_close(plain(_batch()[0], use_cache=False).logits,
                                model(_batch()[0], use_cache=False).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_damaged_checkpoint_is_refused_before_it_is_unpickled(tmp_path):
+    model, params = _student("scorer_only")
+    optimizer = _train_one_step(model, params)
+    folder = tmp_path / "ckpt"
+    checkpointing.save(model, optimizer, folder, step=3, trainable_only=True)
+    checkpointing.verify(folder)
+    manifest = json.loads((folder / "kvpop_manifest.0.json").read_text())
+    assert manifest["world_size"] == 1 and {".metadata", "kvpop_step.json"} < set(manifest["files"])
+    assert any(name.endswith(".distcp") for name in manifest["files"])
+
+    def damaged(change) -> str:
+        copy = tmp_path / f"copy{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(folder, copy)
+        change(copy)
+        fresh, fresh_params = _student("scorer_only", seed=3)
+        with pytest.raises(checkpointing.CheckpointError) as err:
+            checkpointing.load(fresh, _optimizer(fresh_params), copy, trainable_only=True)
+        message = str(err.value)
+        assert str(copy) in message and "\n" not in message
+        return message
+
+    distcp = next(name for name in manifest["files"] if name.endswith(".distcp"))
+    assert "truncated" in damaged(lambda f: os.truncate(f / distcp, (f / distcp).stat().st_size // 2))
+    assert "truncated" in damaged(lambda f: os.truncate(f / ".metadata", 10))
+
+    def flip_a_byte(f):
+        data = bytearray((f / distcp).read_bytes())
+        data[-1] ^= 0xFF
+        (f / distcp).write_bytes(bytes(data))
+
+    assert "sha256" in damaged(flip_a_byte)
+    assert ".metadata is missing" in damaged(lambda f: (f / ".metadata").unlink())
+    assert "kvpop_manifest.0.json" in damaged(lambda f: (f / "kvpop_manifest.0.json").unlink())
+
+    def second_rank_missing(f):
+        info = json.loads((f / "kvpop_manifest.0.json").read_text())
+        (f / "kvpop_manifest.0.json").write_text(json.dumps({**info, "world_size": 2}))
+
+    assert "kvpop_manifest.1.json" in damaged(second_rank_missing)

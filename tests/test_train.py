@@ -39,10 +39,11 @@ def _boundary_loss(model, rows: dict, spec) -> float:
 def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targets, tiny_setup):
     import mlflow
 
-    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *TRAIN, "train.fail_at_step=3")
+    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *TRAIN, "train.fail_at_step=4")
     assert (cfg.train.resolved_strategy, cfg.train.resolved_precision) == ("fsdp", "fp32")  # FSDP2 over gloo
-    # 1. the run dies at step 3, after the checkpoint of step 2 (max_failures=0: no restart inside the run)
-    with pytest.raises(Exception, match="fault injected at step 3"):
+    # 1. the run dies at step 4, after the checkpoint of step 2 and step 3's metrics (max_failures=0: no restart
+    # inside the run)
+    with pytest.raises(Exception, match="fault injected at step 4"):
         train.run(cfg)
     targets = train.open_inputs(cfg)
     name = train.run_name_of(cfg, targets)
@@ -63,8 +64,8 @@ def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targe
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["train.lr"] == "0.01" and run.data.params["budget.topk"] == "16"
-    history = client.get_metric_history(run_id, "ret_loss")
-    assert sorted({m.step for m in history}) == [1, 2, 3, 4, 5, 6]
+    for key in ("ret_loss", "step_s"):  # step 3, replayed after the resume, once
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3, 4, 5, 6], key
     for key in ("kl", "boundary_acc", "tokens_per_s", "loss"):
         assert client.get_metric_history(run_id, key)
     # the model artifact: scorers + kvpop.json + the base's identity, no second copy of the base weights
@@ -93,6 +94,17 @@ def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targe
     with pytest.raises(ConfigError, match=f"run {name} has already trained 6 steps and train.steps=4 asks for fewer"):
         train.run(fewer)
     assert records.for_config(cfg, "train").payload["steps"] == 6
+
+    # 5. more steps on a damaged latest checkpoint: one line naming it and what to do, before anything starts; the
+    # finished run, its model and its record stay as they were
+    checkpoint = train.latest_checkpoint(result.run_dir)
+    shard = next(checkpoint.glob("*.distcp"))
+    os.truncate(shard, shard.stat().st_size // 2)
+    more = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=8))
+    with pytest.raises(ConfigError, match="truncated") as err:
+        train.run(more)
+    assert str(checkpoint) in str(err.value) and f"Delete {result.run_dir}" in str(err.value)
+    assert client.get_run(run_id).info.status == "FINISHED" and records.for_config(cfg, "train").payload["steps"] == 6
 
 
 def _driver(cfg, ray_address: str, crash_at: str, tmp_path) -> subprocess.CompletedProcess:
@@ -318,3 +330,25 @@ def test_the_configs_scorer_options_reach_the_trained_student(tiny_targets, tmp_
     model, _ = build_student(spec)
     assert {s.config.features for s in kvpop.scorers(model)} == {"kv_norms"}
     assert all(s.in_features == 2 * s.head_dim + 2 for s in kvpop.scorers(model))
+
+
+def test_a_failure_while_a_finished_run_trains_further_leaves_it_finished(tmp_path, monkeypatch):
+    import mlflow
+
+    from pipelines.config import config_from_dict
+
+    cfg = config_from_dict({"home": str(tmp_path), "tracking": {"experiment": "tests"}})
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    finished, fresh = (tracking.create_run(cfg, name, stage="train", log_config=False) for name in ("a", "b"))
+    client.set_terminated(finished, "FINISHED")
+
+    class Broken:
+        def fit(self):
+            raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(train, "make_spec", lambda *args, **kwargs: None)
+    monkeypatch.setattr(train, "make_trainer", lambda *args, **kwargs: Broken())
+    for run_id, status in ((finished, "FINISHED"), (fresh, "FAILED")):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            train._fit(cfg, None, "a", run_id)
+        assert client.get_run(run_id).info.status == status
