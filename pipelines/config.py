@@ -372,7 +372,8 @@ class EvalConfig(OptionalSettings):
     bootstrap intervals over items and paired differences (pipelines/stats.py)."""
 
     # came after evaluations were first recorded
-    OPTIONAL: ClassVar[tuple[str, ...]] = ("recency", "anchor_share", "anchor_recency", "read_windows")
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("recency", "anchor_share", "anchor_recency", "read_windows",
+                                           "heldout_sources")
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
     budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
     compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
@@ -401,6 +402,8 @@ class EvalConfig(OptionalSettings):
     read_windows: tuple[int, ...] = ()  # shorter windows the trained scorers are also read at, no retraining: each
     #     CR whose B is below the trained sink + window gets an evaluation of its own at the largest of these windows
     #     that leaves long-range slots (sink + window < B), every policy at that budget (pipelines.evaluate.readings)
+    heldout_sources: tuple[str, ...] = ()  # more corpora (data.source values) whose held-out split is evaluated too:
+    #     text metrics only, every policy and budget, reported and logged per corpus as <corpus>.<policy>.B<total>.*
 
     def __post_init__(self):
         _validate_eval(self)
@@ -517,6 +520,13 @@ def _validate_eval(ev: "EvalConfig") -> None:
         (ev.anchor_share is None and ev.anchor_recency is None or "kvpop" in ev.policies,
          "eval.anchor_share / eval.anchor_recency set the kvpop rows' anchor slots: add kvpop to eval.policies"),
     ]
+    names = [corpus_name(str(s)) for s in ev.heldout_sources]
+    checks += [(all(isinstance(s, str) and s for s in ev.heldout_sources), "eval.heldout_sources must be data.source "
+                                                                            "values (strings)"),
+               (len(set(names)) == len(names), f"eval.heldout_sources: two sources share a corpus name ({names})"),
+               (all(re.fullmatch(r"[A-Za-z0-9_-]+", n) and n not in ("recall", "generation") for n in names),
+                f"eval.heldout_sources: corpus names {names} must be letters, digits, _ - and not recall / generation "
+                f"(MLflow keys <corpus>.<policy>.B<total>.<metric>)")]
     for name, folder in ev.baselines.items():
         checks += [
             (re.fullmatch(r"[A-Za-z0-9_.-]+", str(name)) is not None, f"eval.baselines: row name {name!r} may hold "
@@ -537,6 +547,20 @@ def _yaml_problem(err) -> str:
     if context and where is not None:
         text += f" ({context} at line {where.line + 1}, column {where.column + 1})"
     return text
+
+
+def corpus_name(source: str) -> str:
+    """A corpus as a name (report sections, MLflow key prefixes, ledger cells): ``champ``, ``stdlib``, or a file's
+    stem up to its first digit-led part (``/tmp/gpu/python_docs_deb12u8.jsonl`` → ``python_docs``)."""
+    if "/" not in source and not source.endswith((".jsonl", ".json", ".parquet")):
+        return source
+    stem = Path(source).name.split(".")[0]
+    words = []
+    for word in stem.split("_"):
+        if re.match(r"^deb\d|^\d", word):
+            break
+        words.append(word)
+    return "_".join(words) or stem
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> PipelineConfig:

@@ -66,7 +66,7 @@ from transformers import AutoConfig, AutoTokenizer
 from kvpop.files import atomic_write_bytes, atomic_write_text
 from kvpop.local_layers import layer_windows
 from kvpop.pretrained import ModelConfigError, PretrainedMissingError, read_model_config
-from pipelines.config import ConfigError, PipelineConfig, fingerprint
+from pipelines.config import ConfigError, PipelineConfig, corpus_name, fingerprint
 from pipelines.identity import file_digest, folder_digest, tokenizer_digest
 from pipelines.models import missing_message
 from pipelines.planted import Planter
@@ -342,10 +342,22 @@ def check_inputs(cfg: PipelineConfig) -> None:
     if isinstance(context, int) and total > context:
         raise ConfigError(f"budget {cfg.budget} keeps {total} tokens, more than the model's context of "
                           f"{context} (max_position_embeddings): impossible budget")
+    check_heldout_sources(cfg)
     for key, source in (("data.source", cfg.data.source), ("data.mix_source", cfg.data.mix_source)):
         if source is not None and source not in BUILTIN_SOURCES and is_local_source(source) \
                 and not Path(source).expanduser().exists():
             raise ConfigError(f"{key} {source!r} does not exist")
+
+
+def check_heldout_sources(cfg: PipelineConfig) -> None:
+    """``eval.heldout_sources`` before anything is written: each a local path that exists (or a built-in / hub
+    name), none named as ``data.source`` is (:func:`pipelines.config.corpus_name`). One :class:`ConfigError` line."""
+    for source in cfg.eval.heldout_sources:
+        if source == cfg.data.source or corpus_name(source) == corpus_name(cfg.data.source):
+            raise ConfigError(f"eval.heldout_sources: {source!r} is named {corpus_name(source)!r}, as data.source "
+                              f"{cfg.data.source!r} is: the main corpus is evaluated already")
+        if source not in BUILTIN_SOURCES and is_local_source(source) and not Path(source).expanduser().exists():
+            raise ConfigError(f"eval.heldout_sources {source!r} does not exist")
 
 
 def load_tokenizer(cfg: PipelineConfig):
@@ -364,6 +376,18 @@ def mix_config(cfg: PipelineConfig) -> PipelineConfig | None:
         return None
     return dataclasses.replace(cfg, data=dataclasses.replace(d, source=d.mix_source, num_sequences=d.mix_sequences,
                                                              mix_source=None, mix_sequences=0, recall_mix=0.0))
+
+
+def heldout_source_config(cfg: PipelineConfig, source: str) -> PipelineConfig:
+    """The config whose ``eval`` split is ``source``'s held-out split (``eval.heldout_sources``): the mix corpus's
+    own (:func:`mix_config`: its held-out documents never enter training), else ``source`` alone — a corpus training
+    never reads — with one training sequence (the least a data config holds; the held-out split does not depend on
+    it). Every other data setting is ``cfg``'s."""
+    if source == cfg.data.mix_source:
+        return mix_config(cfg)
+    d = cfg.data
+    return dataclasses.replace(cfg, data=dataclasses.replace(d, source=source, num_sequences=1, mix_source=None,
+                                                             mix_sequences=0, recall_mix=0.0))
 
 
 def _mix_error(err: ConfigError) -> ConfigError:

@@ -30,8 +30,8 @@ from kvpop.pretrained import load_pretrained
 from kvpop.retrofit import runtime_of
 from pipelines import recall
 from pipelines import problems as long_prompts
-from pipelines.config import ConfigError, PipelineConfig
-from pipelines.data import load_sequences
+from pipelines.config import ConfigError, PipelineConfig, corpus_name
+from pipelines.data import heldout_source_config, load_sequences
 from pipelines.identity import base_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -40,6 +40,36 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def heldout_sequences(cfg: PipelineConfig, tokenizer) -> list[dict]:
     """The data stage's ``eval`` split: ``[{"id", "input_ids", "docs"}]``."""
     return load_sequences(cfg, split="eval", tokenizer=tokenizer)
+
+
+CORPUS_PART = "corpus-"  # FinishedParts names of another corpus's text part: corpus-<name>.text
+
+
+def heldout_corpora(cfg: PipelineConfig, tokenizer, seq_len: int) -> dict[str, dict]:
+    """``eval.heldout_sources`` as ``{corpus name: {"source", "sequences"}}``: each corpus's held-out split
+    (:func:`pipelines.data.heldout_source_config`), refused in one line if it is empty or cut at another length."""
+    corpora = {}
+    for source in cfg.eval.heldout_sources:
+        name = corpus_name(source)
+        try:
+            sequences = load_sequences(heldout_source_config(cfg, source), split="eval", tokenizer=tokenizer)
+        except ConfigError as err:
+            raise ConfigError(f"eval.heldout_sources {source!r}: {err}") from None
+        if not sequences or any(len(s["input_ids"]) != seq_len for s in sequences):
+            raise ConfigError(f"eval.heldout_sources {source!r}: no held-out sequences of {seq_len} tokens")
+        corpora[name] = {"source": source, "sequences": sequences}
+    return corpora
+
+
+def corpus_items(cfg: PipelineConfig, inputs: dict, name: str, sequences: list[dict], model, reference, *,
+                 progress: bool = True, finished: FinishedParts | None = None) -> tuple[list[dict], dict]:
+    """Another corpus's held-out ``sequences`` teacher-forced under every policy and budget of ``inputs``: its
+    ``text`` records, each tagged ``corpus: name`` (the item ids are its own split's), and the seconds it took."""
+    found, seconds = evaluate_items(cfg, {**inputs, "sequences": sequences, "samples": [], "problems": [],
+                                          "prompts": []}, model, reference, progress=progress,
+                                    finished=finished or FinishedParts(None),
+                                    prefix=f"{CORPUS_PART}{name}.")
+    return [{**r, "corpus": name} for r in found], {f"{CORPUS_PART}{name}.{k}": v for k, v in seconds.items()}
 
 
 def training_documents(cfg: PipelineConfig, tokenizer) -> list[str]:

@@ -12,14 +12,22 @@ the budgets), runs them through :mod:`kvpop.evaluation`, bootstraps the per-item
     $KVPOP_HOME/eval/<key>.parts/<part>.json     each part (text, recall, generation; a baseline's as <name>.<part>)
                                                  as it finishes: a re-run of an unfinished key skips those parts
 
-``<key>`` hashes the model's identity (a digest of every file of the checkpoint folder), the held-out token ids, the
-policies, the budgets, the recall samples' token ids and the generation prompts and length. A re-run with the same
-inputs finds ``complete.json``, prints the report and reuses the MLflow run ``evaluate-<key>`` (one run per key: a
-run left unfinished by a crash is resumed, not duplicated). The stage's hand-over record (:mod:`pipelines.records`,
+``<key>`` hashes the model's identity (a digest of every file of the checkpoint folder), the held-out token ids (and
+each ``eval.heldout_sources`` corpus's, when there are any), the policies, the budgets, the recall samples' token ids
+and the generation prompts and length. A re-run with the same inputs finds ``complete.json``, prints the report and
+reuses the MLflow run ``evaluate-<key>`` (one run per key: a run left unfinished by a crash is resumed, not
+duplicated). The stage's hand-over record (:mod:`pipelines.records`,
 ``evaluate``: the directory and the MLflow run id) is written last. Budgets: ``eval.budgets`` totals and
 ``eval.compression_ratios`` (CR = 1 - B / S) with the training budget's sink and window, topk swept; a CR whose B is
 below sink + window is reported as unreachable. Free generation: the oracle ranks by the teacher's targets of the
 prompt followed by dense's continuation.
+
+**More held-out corpora** (``eval.heldout_sources``: ``data.source`` values): each corpus's held-out split
+(:func:`pipelines.data.heldout_source_config`: ``data.eval_sequences`` sequences of documents training never reads)
+is teacher-forced under the same policies and budgets (the ``text`` part only; the recall and generation parts and the
+trained baselines run once, on the main items). ``metrics.json`` ``summary.corpora.<corpus>`` holds its summary, the
+report a section per corpus, MLflow its metrics as ``<corpus>.<policy>.B<total>.<metric>``
+(:func:`pipelines.report.mlflow_metrics`); the main corpus's names are unprefixed.
 
 **Trained baselines** (``eval.baselines``: row name → saved model folder, hashed into ``<key>``): each runs on the
 same items under its own policy (:func:`pipelines.eval_parts.baseline_items`) against the same dense reference, as
@@ -48,7 +56,7 @@ from kvpop.retrofit import CONFIG_FILE, SCORERS_FILE, rewindow_scorer_folder, sa
 from pipelines import eval_parts, records, report, stats, tracking
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
-from pipelines.data import load_tokenizer
+from pipelines.data import check_heldout_sources, load_tokenizer
 from pipelines.identity import base_folder, file_digest, folder_digest
 from pipelines.train import model_dir
 
@@ -138,6 +146,7 @@ def _digest(rows) -> str:
 
 def plan(cfg: PipelineConfig) -> dict:
     """Everything the evaluation depends on, resolved without loading the model, and the directory key."""
+    check_heldout_sources(cfg)
     path = trained_model_path(cfg)
     weights = base_folder(cfg, path)  # a scorer-only checkpoint's base: model.path, refused unless its tensors match
     if cfg.eval.checkpoint and weights == path:  # a folder with its own weights: it must be of model.path's kind
@@ -171,6 +180,11 @@ def plan(cfg: PipelineConfig) -> dict:
     for name in ("recency", "anchor_share", "anchor_recency"):  # only when set: the keys of evaluations without
         if getattr(cfg.eval, name) is not None:                # them stay as they were
             identity[f"kvpop_{name}"] = getattr(cfg.eval, name)
+    corpora = eval_parts.heldout_corpora(cfg, tokenizer, seq_len)
+    if corpora:  # likewise
+        identity["heldout_sources"] = [{"source": c["source"], "corpus": name, "count": len(c["sequences"]),
+                                        "sha256": _digest(s["input_ids"] for s in c["sequences"])}
+                                       for name, c in corpora.items()]
     if cfg.eval.baselines:  # likewise
         identity["baselines"] = {}
         for name, folder in cfg.eval.baselines.items():
@@ -179,7 +193,7 @@ def plan(cfg: PipelineConfig) -> dict:
     key = fingerprint("kvpop.eval", FORMAT_VERSION, identity, length=16)
     return {"key": key, "identity": identity, "path": path, "tokenizer": tokenizer, "sequences": sequences,
             "base": base, "budgets": budgets, "samples": samples, "problems": problems, "prompts": prompts,
-            "seq_len": seq_len}
+            "seq_len": seq_len, "corpora": corpora}
 
 
 def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
@@ -214,15 +228,25 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     finished = eval_parts.FinishedParts(parts_dir(out))
     with _memory_limit(cfg, device):
         items, seconds = eval_parts.evaluate_items(cfg, p, model, reference, progress=progress, finished=finished)
+        for name, corpus in p["corpora"].items():
+            found, spent = eval_parts.corpus_items(cfg, p, name, corpus["sequences"], model, reference,
+                                                   progress=progress, finished=finished)
+            items += found
+            seconds.update(spent)
         for name, baseline in baselines.items():
             found, spent = eval_parts.baseline_items(cfg, p, name, baseline, reference or model,
                                                      p["occupancy"].get(name), progress=progress, finished=finished)
             items += found
             seconds.update(spent)
     budgets = [{"B": b.total, "CR": 1 - b.total / p["seq_len"], "budget": str(b)} for b in p["budgets"]]
-    summary = report.summarize(items, budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)
+    summary = report.summarize([r for r in items if "corpus" not in r], budgets, resamples=cfg.eval.resamples,
+                               seed=cfg.data.seed)
+    if p["corpora"]:
+        summary["corpora"] = {name: {"source": c["source"], **report.summarize(
+            [r for r in items if r.get("corpus") == name], budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)}
+            for name, c in p["corpora"].items()}
     summary["occupancy"] = p["occupancy"]
-    labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text"}
+    labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text" and "corpus" not in r}
     text = eval_parts.describe(cfg, p) + "\n" + report.format_report(summary, budgets, labels=labels,
                                                          unreachable=unreachable, evicting=p["evicting"])
     print(text, flush=True)
@@ -275,6 +299,8 @@ def parts_summary(folder: Path, seq_len: int, *, resamples: int = stats.RESAMPLE
         raise ConfigError(f"{folder}: no finished evaluation parts (<part>.json) there")
     items = []
     for path in files:
+        if path.stem.startswith(eval_parts.CORPUS_PART):  # another corpus's text: not this table's items
+            continue
         name = path.stem.rpartition(".")[0]  # "<name>.<part>" for a trained baseline, "<part>" for the main model
         found = json.loads(path.read_text())["records"]
         items += eval_parts.baseline_rows(found, name) if name else found
@@ -316,8 +342,10 @@ def _log(cfg: PipelineConfig, out: Path, p: dict, summary: dict, run_id: str | N
         for start in range(0, len(items), 500):
             mlflow.log_metrics(dict(items[start:start + 500]))
         source = LocalArtifactDatasetSource(str(out / "predictions.jsonl"))
-        for part, info in (("heldout", p["identity"]["heldout"]), ("recall", p["identity"]["recall"]),
-                           ("generation", p["identity"]["generation"])):
+        parts = [("heldout", p["identity"]["heldout"]), ("recall", p["identity"]["recall"]),
+                 ("generation", p["identity"]["generation"])]
+        parts += [(f"heldout-{c['corpus']}", c) for c in p["identity"].get("heldout_sources", [])]
+        for part, info in parts:
             mlflow.log_input(MetaDataset(source, name=f"eval-{part}", digest=info["sha256"][:32]), context="evaluation")
         mlflow.log_artifacts(str(out), "eval")
         return active.info.run_id

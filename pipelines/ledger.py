@@ -51,7 +51,7 @@ from typing import Any, Iterable
 
 from kvpop.files import atomic_write_text, exclusive_lock, sha256_file
 from pipelines import tracking
-from pipelines.config import ConfigError, PipelineConfig, TrackingConfig, fingerprint
+from pipelines.config import ConfigError, PipelineConfig, TrackingConfig, corpus_name, fingerprint
 from pipelines.models import REPO_ROOT, kvpop_home
 
 ROOT = REPO_ROOT
@@ -326,7 +326,8 @@ def _interval(d: dict, n=None) -> dict:
 def eval_summary_metrics(summary: dict, corpus: str) -> dict[str, dict]:
     """The evaluation stage's ``summary`` (``metrics.json``; :mod:`pipelines.report`) as leaderboard cells: every
     metric of every policy × CR with its interval, the share of the KL gap closed and recall's share of dense. Recall
-    cells (synthetic prompts, not the corpus) go to corpus ``recall``, the long generations' to ``generation``."""
+    cells (synthetic prompts, not the corpus) go to corpus ``recall``, the long generations' to ``generation``; the
+    summary's other corpora (``corpora``, ``eval.heldout_sources``) to their own."""
     out = {}
     for m in summary.get("metrics", []):
         where = {"recall": "recall", "generation": "generation"}.get(m.get("part"), corpus)
@@ -335,6 +336,8 @@ def eval_summary_metrics(summary: dict, corpus: str) -> dict[str, dict]:
         out[cell(corpus, g["policy"], g["CR"], f"{g['metric']}.gap_closed")] = _interval(g)
     for r in summary.get("recall_share") or []:
         out[cell("recall", r["policy"], r["CR"], "recall_exact.share_of_dense")] = _interval(r)
+    for name, other in (summary.get("corpora") or {}).items():  # eval.heldout_sources: text metrics, their corpus
+        out.update(eval_summary_metrics(other, name))
     return {k: v for k, v in out.items() if v["value"] is not None and math.isfinite(v["value"])}
 
 
@@ -342,20 +345,6 @@ def _rule_name(rule: str) -> str:
     """A recency_blend rule (``kvpop+0.0025@a0.0625``) as a policy name (``kvpop_r0.0025_a0.0625``)."""
     name = rule.replace("+", "_r").replace("@a", "_a").replace("@", "_")
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
-
-
-def _corpus_name(source: str) -> str:
-    """A corpus as a name: ``champ``, ``stdlib``, or a JSONL file's stem up to its first digit-led part
-    (``/tmp/gpu/python_docs_deb12u8.jsonl`` → ``python_docs``)."""
-    if "/" not in source and not source.endswith(".jsonl"):
-        return source
-    stem = Path(source).name.split(".")[0]
-    words = []
-    for word in stem.split("_"):
-        if re.match(r"^deb\d|^\d", word):
-            break
-        words.append(word)
-    return "_".join(words) or stem
 
 
 def _budget_total(budget: str) -> int:
@@ -375,7 +364,7 @@ def recency_blend_metrics(result: dict) -> tuple[dict, dict]:
     cr = 1 - total / seq_len
     metrics = {}
     for source, summary in (result.get("summary") or {}).items():
-        corpus = _corpus_name(source)
+        corpus = corpus_name(source)
         n = len(summary.get("items") or []) or None
         if n is not None and n <= 1:  # a recall-only run's one placeholder text item
             continue
@@ -394,7 +383,7 @@ def recency_blend_metrics(result: dict) -> tuple[dict, dict]:
             metrics[cell("recall", _rule_name(key[6:]), cr, "recall_exact.share_of_dense")] = _interval(value)
     params = {"budget": result["budget"], "seq_len": seq_len, "sequences": args.get("sequences"),
               "recency": json.dumps(args.get("recency")), "anchors": json.dumps(args.get("anchors")),
-              "sources": json.dumps([_corpus_name(s) for s in args.get("sources", [])]),
+              "sources": json.dumps([corpus_name(s) for s in args.get("sources", [])]),
               "recall_tasks": json.dumps(args.get("recall_tasks")), "model": args.get("model")}
     return params, metrics
 
@@ -486,7 +475,7 @@ def cost_model_metrics(result: dict) -> tuple[dict, dict]:
 
 def quality_metrics(result: dict) -> tuple[dict, dict]:
     """``benchmarks/quality.py``: its table (policy × CR: top-1, KL, recall tasks) as leaderboard cells."""
-    corpus = _corpus_name(str(result.get("corpus") or "champ"))
+    corpus = corpus_name(str(result.get("corpus") or "champ"))
     metrics = {}
     for row in result.get("table") or []:
         policy = _slug(row["policy"])
@@ -526,16 +515,16 @@ def learning_curves_metrics(result: dict) -> tuple[dict, dict]:
     epochs, seconds). Per-item records and earlier checkpoints are not kept."""
     meta = result.get("meta") or {}
     args = meta.get("args") or ((meta.get("sessions") or [{}])[-1].get("args") or {})
-    corpus = _corpus_name(str(args.get("source") or "champ"))
+    corpus = corpus_name(str(args.get("source") or "champ"))
     point = _final_point(result.get("points") or [])
     metrics = _study_summary_metrics(point.get("summary") or {}, corpus)
     for source, part in (point.get("corpora") or {}).items():
-        metrics.update(_study_summary_metrics(part.get("summary") or {}, _corpus_name(source)))
+        metrics.update(_study_summary_metrics(part.get("summary") or {}, corpus_name(source)))
     references = result.get("references") or {}
     metrics.update({k: v for k, v in _study_summary_metrics(references.get("summary") or {}, corpus).items()
                     if ".minus_" not in k})  # the references' differences among themselves: not the study's
     for source, part in (references.get("corpora") or {}).items():
-        metrics.update({k: v for k, v in _study_summary_metrics(part.get("summary") or {}, _corpus_name(source))
+        metrics.update({k: v for k, v in _study_summary_metrics(part.get("summary") or {}, corpus_name(source))
                         .items() if ".minus_" not in k})
     diagnostics = point.get("diagnostics") or {}
     for policy, value in (diagnostics.get("spearman") or {}).items():
@@ -555,7 +544,7 @@ def learning_curves_metrics(result: dict) -> tuple[dict, dict]:
               "features": args.get("features"), "query_power": args.get("query_power"),
               "recency": args.get("recency"), "lr": args.get("lr"), "batch": args.get("batch"),
               "train_sequences": args.get("train_sequences"), "eval_sequences": args.get("eval_sequences"),
-              "eval_sources": json.dumps([_corpus_name(s) for s in args.get("eval_sources") or []]),
+              "eval_sources": json.dumps([corpus_name(s) for s in args.get("eval_sources") or []]),
               "recall_tasks": json.dumps(args.get("recall_tasks")), "model": args.get("model")}
     return params, metrics
 
@@ -570,7 +559,7 @@ def _compare_rows_metrics(rows: Iterable[dict], default_B=None) -> dict:
     ``<corpus>[/<rule>]/B<B>/<metric>/{baseline,candidate,difference}`` metrics (a cell of the run's own table)."""
     out = {}
     for row in rows:
-        corpus = _corpus_name(str(row["corpus"])) if not str(row["corpus"]).startswith("recall ") else \
+        corpus = corpus_name(str(row["corpus"])) if not str(row["corpus"]).startswith("recall ") else \
             "recall_" + _slug(str(row["corpus"])[len("recall "):])
         name = _COMPARE_METRICS.get(row.get("metric"), _COMPARE_METRICS.get(row.get("label"), _slug(row["metric"])))
         path = "/".join(p for p in (corpus, _rule_name(row["rule"]) if row.get("rule") else None,
@@ -682,7 +671,7 @@ def legacy_runs(path: str, result: dict, commit: str, *, extra: dict | None = No
             entries = [{"CR": crs[0], "B": round((1 - crs[0]) * result["seq_len"]), "summary": result["summary"]}]
             tag = re.sub(r"_cr[0-9.]+_parts$", "", tag) + "_parts"
         for entry in entries:
-            corpus = _corpus_name(str(entry.get("corpus") or "champ"))
+            corpus = corpus_name(str(entry.get("corpus") or "champ"))
             partial = tag.endswith("_parts")
             base = tag.removesuffix("_parts")
             name = (f"baselines/{re.sub(r'_cr[0-9.]+$', '', base)}_cr{entry['CR']:g}"
@@ -1032,16 +1021,20 @@ def _fold(flat: dict[str, float]) -> dict[str, dict]:
 
 def _native_cells(metrics: dict, params: dict) -> dict:
     """The evaluation stage's ``<policy>.B<total>.<metric>`` keys as leaderboard cells (CR = 1 − B/S, corpus the
-    config's ``data.source``); other keys as they are."""
+    config's ``data.source``), its ``<corpus>.<policy>.B<total>.<metric>`` keys (``eval.heldout_sources``) as cells
+    of that corpus; other keys as they are."""
     seq_len = params.get("data.seq_len")
-    corpus = _corpus_name(str(params.get("data.source") or "champ"))
+    corpus = corpus_name(str(params.get("data.source") or "champ"))
     out = {}
     for key, m in metrics.items():
-        found = re.match(r"^([A-Za-z0-9_\-]+)\.B(\d+)\.(.+)$", key)
-        if not found or not isinstance(seq_len, int) or found.group(3).endswith(".resolved"):
+        found = re.match(r"^(?:([A-Za-z0-9_\-]+)\.)?([A-Za-z0-9_\-]+)\.B(\d+)\.(.+)$", key)
+        if not found or not isinstance(seq_len, int) or found.group(4).endswith(".resolved"):
             out[key] = m
             continue
-        policy, total, name = found.group(1), int(found.group(2)), found.group(3)
+        other, policy, total, name = found.group(1), found.group(2), int(found.group(3)), found.group(4)
+        if other is not None:  # eval.heldout_sources: <corpus>.<policy>.B<total>.<metric>, text metrics only
+            out[cell(other, policy, 1 - total / seq_len, name)] = m
+            continue
         where = "recall" if name.startswith("recall_") else "generation" if name.startswith("gen_") else corpus
         out[cell(where, policy, 1 - total / seq_len, name)] = m
     return out

@@ -21,6 +21,10 @@ value may be ``None`` where it is undefined for an item (a problem dense did not
 Wording follows the intervals: "above" / "below" only where the paired interval excludes 0, otherwise "not resolved
 (≈ N items needed)". Per-item values are rounded to 1e-6 first, so that float noise is not a resolved difference.
 Dense records of the generation parts carry ``B = None`` and stand in every budget's block.
+
+**More corpora** (the stage's ``eval.heldout_sources``): a summary may hold ``corpora`` — ``{corpus name: {"source",
+**its own summarize() of that corpus's text records}}``. :func:`format_report` adds a section per corpus after the
+main one; :func:`mlflow_metrics` names its metrics ``<corpus>.<the main names>``.
 """
 from __future__ import annotations
 
@@ -305,6 +309,9 @@ def format_report(summary: dict, budgets: Sequence[dict], *, labels: dict | None
             lines += ["No cell reaches the calibration threshold for dense: no headline recall numbers.", ""]
         lines += table(headers, rows)
     lines += ["", *(f"- {line}" if markdown else line for line in sentences(summary, budgets))]
+    for name, corpus in (summary.get("corpora") or {}).items():
+        lines += [*heading(f"held-out corpus {name} ({corpus['source']}): the text part, every policy and budget"),
+                  format_report(corpus, budgets, labels=labels, markdown=markdown)]
     return "\n".join(lines)
 
 
@@ -376,7 +383,8 @@ def _phrase(d: dict) -> str:
 def mlflow_metrics(summary: dict) -> dict[str, float]:
     """``<policy>.B<total>.<metric>`` with ``.lo`` / ``.hi``; paired differences as ``….vs_<baseline
     kind>`` (+ ``.lo``, ``.hi``, ``.resolved``); gap closed as ``….gap_closed``; headline recall as a share of dense's
-    as ``….recall_exact.share_of_dense``. Finite values only."""
+    as ``….recall_exact.share_of_dense``; a summary's other corpora (``corpora``) as ``<corpus>.`` + these. Finite
+    values only."""
     out = {}
     for m in summary["metrics"]:
         key = f"{m['policy']}.B{m['B']}.{m['metric']}"
@@ -390,6 +398,8 @@ def mlflow_metrics(summary: dict) -> dict[str, float]:
     for r in summary.get("recall_share") or []:
         key = f"{r['policy']}.B{r['B']}.recall_exact.share_of_dense"
         out.update({key: r["estimate"], f"{key}.lo": r["lo"], f"{key}.hi": r["hi"]})
+    for name, corpus in (summary.get("corpora") or {}).items():
+        out.update({f"{name}.{k}": v for k, v in mlflow_metrics(corpus).items()})
     return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
 
 

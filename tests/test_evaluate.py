@@ -346,3 +346,58 @@ def test_a_killed_evaluation_completes_on_a_rerun_with_one_finished_run(setup, m
                               filter_string=f"tags.mlflow.runName = 'evaluate-{result.output_dir.name}'")
     assert [r.info.status for r in runs] == ["FINISHED"] and runs[0].info.run_id == result.run_id
     assert "seconds.total" in runs[0].data.metrics
+
+
+def _corpus(path, docs: int = 12):
+    """A small JSONL corpus of distinct documents (a few hundred tokens each)."""
+    path.write_text("".join(json.dumps({"text": " ".join(f"word{i}x{j} of document {i}." for j in range(40))}) + "\n"
+                            for i in range(docs)))
+    return path
+
+
+@pytest.mark.pretrained
+def test_heldout_sources_are_evaluated_reported_and_logged_per_corpus(setup, tmp_path):
+    """eval.heldout_sources: the extra corpus's held-out split under every policy and budget (text only), its own
+    summary, report section and <corpus>.-prefixed MLflow metrics; the main corpus's names and numbers unchanged;
+    another list is another evaluation; a bad source is one line before anything is written."""
+    import mlflow
+
+    cfg, _ = setup
+    tree = {**cfg.to_dict(), "data": {**cfg.to_dict()["data"], "eval_sequences": 3},
+            "eval": {**cfg.to_dict()["eval"], "task_samples": 0, "generation_prompts": 0, "compression_ratios": [],
+                     "policies": ["dense", "streaming", "oracle", "kvpop"]}}
+    plain = E.run(config_from_dict(tree), progress=False)
+    source = str(_corpus(tmp_path / "extra_docs.jsonl"))
+    tree["eval"]["heldout_sources"] = [source]
+    result = E.run(config_from_dict(tree), progress=False)
+    assert result.output_dir != plain.output_dir  # the sources are part of the evaluation's identity
+    config = json.loads((result.output_dir / "config.json").read_text())
+    assert [(c["source"], c["corpus"], c["count"]) for c in config["heldout_sources"]] == [(source, "extra_docs", 3)]
+    records = [json.loads(line) for line in (result.output_dir / "predictions.jsonl").read_text().splitlines()]
+    extra = [r for r in records if r.get("corpus") == "extra_docs"]
+    assert {r["part"] for r in extra} == {"text"} and len(extra) == 3 * 4  # sequences × policies at B = 24
+    summary = result.summary
+    assert summary["metrics"] == plain.summary["metrics"]  # the main corpus's summary is as without the sources
+    other = summary["corpora"]["extra_docs"]
+    assert other["source"] == source and {m["n"] for m in other["metrics"]} == {3}
+    assert any(g["policy"] == "kvpop" and g["metric"] == "kl" for g in other["gap_closed"])
+    assert f"held-out corpus extra_docs ({source})" in result.text
+    mlflow.set_tracking_uri(cfg.tracking_uri())
+    metrics = mlflow.get_run(result.run_id).data.metrics
+    assert metrics["extra_docs.dense.B24.top1_agreement"] == 1.0
+    assert "extra_docs.kvpop.B24.kl.gap_closed" in metrics and "extra_docs.kvpop.B24.kl.vs_streaming" in metrics
+    assert {k: v for k, v in metrics.items() if not k.startswith(("extra_docs.", "seconds."))} == \
+        {k: v for k, v in mlflow.get_run(plain.run_id).data.metrics.items() if not k.startswith("seconds.")}
+    kl = next(m for m in other["metrics"] if m["policy"] == "kvpop" and m["metric"] == "kl")
+    assert metrics["extra_docs.kvpop.B24.kl"] == pytest.approx(kl["estimate"])
+
+    missing = {**tree, "home": str(tmp_path / "other_home"),
+               "eval": {**tree["eval"], "heldout_sources": [str(tmp_path / "nowhere.jsonl")]}}
+    with pytest.raises(ConfigError, match="eval.heldout_sources .*nowhere.jsonl.* does not exist"):
+        E.plan(config_from_dict(missing))
+    with pytest.raises(ConfigError, match="the main corpus is evaluated already"):
+        E.plan(config_from_dict({**missing, "eval": {**tree["eval"], "heldout_sources": ["champ"]}}))
+    assert not (tmp_path / "other_home").exists()  # nothing written
+    with pytest.raises(ConfigError, match="share a corpus name"):
+        config_from_dict({**tree, "eval": {**tree["eval"], "heldout_sources": [source, str(tmp_path / "x" /
+                                                                                           "extra_docs.jsonl")]}})

@@ -362,7 +362,10 @@ def test_import_export_round_trip_and_publish(ledger, tmp_path):
     client.log_param(native.info.run_id, "data.seq_len", "4096")
     client.log_param(native.info.run_id, "data.source", "champ")
     for key, value in {"kvpop.B512.kl": 0.04, "kvpop.B512.kl.lo": 0.03, "kvpop.B512.kl.hi": 0.05,
-                       "kvpop.B512.recall_exact": 0.5, "seconds.text": 12.0}.items():
+                       "kvpop.B512.recall_exact": 0.5, "seconds.text": 12.0,
+                       # eval.heldout_sources: another corpus's text metrics under its name
+                       "python_docs.kvpop.B512.kl": 0.07, "python_docs.kvpop.B512.kl.gap_closed": 0.6,
+                       "python_docs.kvpop.B512.kl.vs_streaming.resolved": 1.0}.items():
         client.log_metric(native.info.run_id, key, value)
     client.set_terminated(native.info.run_id)
     (new,) = L.export_runs(cfg, {r.run_id for r in runs})
@@ -370,7 +373,10 @@ def test_import_export_round_trip_and_publish(ledger, tmp_path):
                                                             "evaluation", "abcdef1234")
     assert new.tags["config"] == "smollm2_scorer_wide_kernel"
     assert new.metrics == {"champ/kvpop/cr0.875/kl": L.Metric(0.04, 0.03, 0.05),
-                           "recall/kvpop/cr0.875/recall_exact": L.Metric(0.5), "seconds.text": L.Metric(12.0)}
+                           "recall/kvpop/cr0.875/recall_exact": L.Metric(0.5), "seconds.text": L.Metric(12.0),
+                           "python_docs/kvpop/cr0.875/kl": L.Metric(0.07),
+                           "python_docs/kvpop/cr0.875/kl.gap_closed": L.Metric(0.6),
+                           "python_docs.kvpop.B512.kl.vs_streaming.resolved": L.Metric(1.0)}
 
     result = tmp_path / "capacity_t.json"
     result.write_text("{}")
@@ -540,3 +546,18 @@ def test_decision_pages_quote_the_metrics_of_the_rows_they_cite():
             if not any(r.run_id.startswith(prefix) for r in cited):
                 wrong.append(f"{page.name}: run {prefix}")
     assert not wrong, f"quoted but no metric of a cited row: {wrong}"
+
+
+def test_an_evaluation_summary_with_other_corpora_gives_their_cells():
+    """eval.heldout_sources: metrics.json's summary.corpora become cells of their own corpus, the main summary's stay
+    under the main corpus."""
+    entry = {"part": "text", "policy": "kvpop", "CR": 0.875, "metric": "kl", "estimate": 0.1, "lo": 0.05, "hi": 0.2,
+             "n": 64}
+    gap = {**entry, "estimate": 0.6, "lo": 0.5, "hi": 0.7}
+    summary = {"metrics": [entry], "corpora": {"python_docs": {"source": ".kvpop/data/python_docs.jsonl",
+                                                               "metrics": [{**entry, "estimate": 0.3}],
+                                                               "gap_closed": [gap]}}}
+    assert L.eval_summary_metrics(summary, "champ") == {
+        "champ/kvpop/cr0.875/kl": {"value": 0.1, "lo": 0.05, "hi": 0.2, "n": 64},
+        "python_docs/kvpop/cr0.875/kl": {"value": 0.3, "lo": 0.05, "hi": 0.2, "n": 64},
+        "python_docs/kvpop/cr0.875/kl.gap_closed": {"value": 0.6, "lo": 0.5, "hi": 0.7, "n": 64}}

@@ -1,8 +1,10 @@
 """A recipe (pipelines/recipe.py): one file, one command, phases chained through train records, any decoder.
 
-The shrunk recipe end to end on a tiny random Llama: its kernel corpus made by ``jobs.corpus``, phase one killed right
-after it finished, phase two stopped mid-training, the home exported, wiped and imported elsewhere, the same command
-finishing with one FINISHED training run per phase and the CR the trained window cannot reach read at a shorter one.
+The shrunk recipe end to end on a tiny random Llama, trained as the recipe file trains (online targets, warm-up, a
+shuffle per epoch) and evaluated on an unseen corpus too (``eval.heldout_sources``): its kernel corpus made by
+``jobs.corpus``, phase one killed right after it finished, phase two stopped mid-training, the home exported, wiped
+and imported elsewhere, the same command finishing with one FINISHED training run per phase and the CR the trained
+window cannot reach read at a shorter one.
 One phase on tiny Qwen3 and Mistral folders. Bad recipes and missing inputs: one line, exit code 2, nothing written.
 """
 from __future__ import annotations
@@ -52,6 +54,21 @@ def _kernel_sources(folder: Path) -> Path:
         (folder / f"doc{i}.rst.txt").parent.mkdir(parents=True, exist_ok=True)
         (folder / f"doc{i}.rst.txt").write_text(" ".join(words[(i + j) % len(words)] for j in range(120)) + "\n")
     return folder
+
+
+# how configs/recipes/smollm2_kvpop.yaml trains, read from it: online targets, warm-up, a shuffle per epoch
+_RECIPE_TRAIN = yaml.safe_load((REPO / "configs" / "recipes" / "smollm2_kvpop.yaml").read_text())["train"]
+RECIPE_TRAINING = [f"train.{key}={_RECIPE_TRAIN[key]}"
+                   for key in ("targets_source", "online_features", "warmup_steps", "shuffle_seed")]
+
+
+def _unseen_corpus(path: Path) -> Path:
+    """A corpus no phase trains on (``eval.heldout_sources``): a few documents of another vocabulary."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    words = "a list keeps its items in order and a dict maps each key to one value".split()
+    path.write_text("".join(json.dumps({"text": " ".join(words[(i * 3 + j) % len(words)] for j in range(90))}) + "\n"
+                            for i in range(8)))
+    return path
 
 
 def _two_phases(mix: Path) -> list:
@@ -145,8 +162,10 @@ def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(ti
 
     mix = tmp_path / "data" / "kernel.jsonl"
     sources = _kernel_sources(tmp_path / "src")
+    unseen = _unseen_corpus(tmp_path / "data" / "unseen_docs.jsonl")
     recipe = _write_recipe(tmp_path / "recipe.yaml", tiny_setup, _two_phases(mix),
-                           {str(mix): f"python -m jobs.corpus --sources {sources} --out {mix}"})
+                           {str(mix): f"python -m jobs.corpus --sources {sources} --out {mix}"}, *RECIPE_TRAINING,
+                           f"eval.heldout_sources=[{unseen}]")
     assert corpus(["--sources", str(sources), "--out", str(mix)]) == 0
     home = tmp_path / "machine1" / "home"
 
@@ -166,7 +185,7 @@ def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(ti
     shutil.rmtree(tmp_path / "machine1")
     home = tmp_path / "machine2" / "kvpop"
     assert state(["import", str(tmp_path / "state.tgz"), "--home", str(home)]) == 0
-    assert not (home / "targets").exists()  # targets are remade, not carried
+    assert not (home / "targets").exists()  # online targets: none stored, none carried
     done = _pipeline(recipe, home, ray_cluster)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "phase 1/2 first: trained already" in done.stdout
@@ -196,6 +215,12 @@ def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(ti
     assert [b["budget"] for b in evaluations[0]["budgets"]] == ["s4-w8-k16"]
     assert [u["B"] for u in evaluations[0]["unreachable"]] == [10]
     assert [b["budget"] for b in evaluations[1]["budgets"]] == ["s4-w4-k2"] and not evaluations[1]["unreachable"]
+    # the unseen corpus's held-out split beside the main one, at every reading
+    for evaluation in evaluations:
+        other = evaluation["summary"]["corpora"]["unseen_docs"]
+        assert other["source"] == str(unseen) and {m["n"] for m in other["metrics"]} == {2}
+        assert any(g["policy"] == "kvpop" and g["metric"] == "kl" for g in other["gap_closed"])
+    assert not (home / "targets").exists()  # trained online: the precompute stage never ran
 
 
 @pytest.mark.slow
