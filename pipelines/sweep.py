@@ -24,7 +24,14 @@ params, per-step histories). After the sweep every child run is closed from Tune
 **Best config.** The trial with the best last ``sweep.metric`` gives the input config its scorer, lr, budget and grid
 values (``train.steps`` unchanged): a loadable preset ``<sweep dir>/best.yaml``, logged to the parent run with
 ``sweep/trials.json``. The sweep directory is ``sweep.output_root`` (default ``$KVPOP_HOME/sweeps``)
-``/<sweep name>/``, also Tune's experiment directory; an existing one is refused rather than mixed into.
+``/<sweep name>/``, also Tune's experiment directory; an existing one is refused rather than mixed into, except a
+killed one.
+
+**Resuming.** A sweep directory that holds Tune's experiment state but no ``best.yaml`` is a sweep killed before it
+finished: running the same ``sweep.name`` again restores it (``Tuner.restore``: finished trials are not run again)
+into its own parent MLflow run, so a re-run ends with one parent run, one child run per finished trial and one
+``best.yaml``. Crash point (:func:`pipelines.records.crash_point`): ``sweep.trials_done`` (every trial ended,
+before the trials are closed and ``best.yaml`` is written).
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ import yaml
 
 from kvpop.files import atomic_write_text
 from kvpop.objective import METRICS as OBJECTIVE_METRICS
-from pipelines import store, tracking, train
+from pipelines import records, store, tracking, train
 from pipelines.cluster import ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, apply_overrides, load_config
 from pipelines.data import load_tokenizer
@@ -119,6 +126,7 @@ class Plan:
     trials: int  # grid points × num_samples
     targets: Path
     base: dict  # the trials' common config tree (to_dict), before a variant's overrides
+    resume: bool = False  # the sweep directory is a killed run of this sweep (see the module docstring)
 
     @property
     def concurrent(self) -> int:
@@ -153,7 +161,8 @@ def plan(cfg: PipelineConfig) -> Plan:
     # 2. every trial's config, built and validated now (a bad grid value fails here, not in trial 7)
     name = sw.name or f"{cfg.name}-sweep-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
     root = sweep_root(cfg) / name
-    if root.exists():
+    resume = root.exists() and killed_sweep(root)
+    if root.exists() and not resume:
         raise ConfigError(f"sweep directory {root} already exists: pick another sweep.name (or remove it)")
     base = cfg.to_dict()
     base["model"]["path"] = str(cfg.model.resolved_path())  # trials may run in another working directory,
@@ -173,7 +182,12 @@ def plan(cfg: PipelineConfig) -> Plan:
             train.check_trainable(trial, targets.num_rows)
         except ConfigError as err:
             raise ConfigError(f"sweep trial {label}: {err}") from None
-    return Plan(cfg, name, root, points, len(points) * sw.num_samples, targets.path, base)
+    return Plan(cfg, name, root, points, len(points) * sw.num_samples, targets.path, base, resume)
+
+
+def killed_sweep(root: Path) -> bool:
+    """Whether ``root`` is a sweep killed before its end: Tune's experiment state, no ``best.yaml``."""
+    return not (root / BEST_CONFIG).exists() and any(root.glob("experiment_state-*.json"))
 
 
 def _check_cluster(p: Plan) -> None:
@@ -265,20 +279,27 @@ def run(cfg: PipelineConfig) -> SweepResult:
     ensure_ray(cfg)
     _check_cluster(p)
 
-    print(f"[kvpop.sweep] {p.name}: {p.trials} trials ({len(p.variants)} grid points × {sw.num_samples}), "
+    parent_id = tracking.find_run(cfg, p.name, "sweep") if p.resume else None
+    if p.resume and parent_id is None:
+        raise ConfigError(f"sweep directory {p.root} holds a killed sweep without its MLflow parent run in "
+                          f"{cfg.tracking_uri()}: remove the directory or pick another sweep.name")
+    print(f"[kvpop.sweep] {'resuming ' if p.resume else ''}{p.name}: {p.trials} trials ({len(p.variants)} grid points "
+          f"× {sw.num_samples}), "
           f"{p.concurrent} at a time, ASHA on {sw.metric} ({sw.mode}) over {sw.steps} steps, grace "
           f"{sw.grace_period}, reduction {sw.reduction_factor}; {p.root}", flush=True)
-    with tracking.run(cfg, p.name, stage="sweep", tags={"kvpop.sweep": p.name, "kvpop.sweep_dir": str(p.root),
-                                                        "kvpop.targets": str(p.targets)}) as parent:
+    with tracking.run(cfg, p.name, stage="sweep", run_id=parent_id,
+                      tags={"kvpop.sweep": p.name, "kvpop.sweep_dir": str(p.root),
+                            "kvpop.targets": str(p.targets)}) as parent:
         parent_id = parent.info.run_id
-        mlflow.log_params({"sweep.trials": p.trials, "sweep.grid_points": len(p.variants)})
+        if not p.resume:
+            mlflow.log_params({"sweep.trials": p.trials, "sweep.grid_points": len(p.variants)})
         param_space: dict[str, Any] = {"variant": ray.tune.grid_search(p.variants)}
         if sw.lr_range:
             param_space["lr"] = ray.tune.loguniform(*sw.lr_range)
         trainable = ray.tune.with_resources(
             ray.tune.with_parameters(_trial, base=p.base, info={"name": p.name, "parent_run_id": parent_id}),
             {"cpu": DRIVER_CPUS})
-        tuner = ray.tune.Tuner(
+        tuner = ray.tune.Tuner.restore(str(p.root), trainable) if p.resume else ray.tune.Tuner(
             trainable,
             param_space=param_space,
             tune_config=ray.tune.TuneConfig(
@@ -294,6 +315,7 @@ def run(cfg: PipelineConfig) -> SweepResult:
         released = release_placement_groups(before)
         if released:
             print(f"[kvpop.sweep] released {len(released)} placement group(s) left by stopped trials", flush=True)
+        records.crash_point("sweep.trials_done")
         trials = _close_trials(cfg, p, grid, parent.info.experiment_id, parent_id)
         mlflow.log_dict(trials, "sweep/trials.json")
         mlflow.log_metrics({"trials.finished": sum(t["status"] == "FINISHED" for t in trials),

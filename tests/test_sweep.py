@@ -154,3 +154,59 @@ def test_plan_needs_targets_for_every_window_and_writes_nothing(tiny_targets, ti
     assert ok.trials == 2 and ok.concurrent == 2 and ok.base["train"]["steps"] == 4
     assert not ok.root.exists()
     assert not any(p for p in home.rglob("*") if p.is_file() and p.parent.name != "cache")
+
+
+KILLED_SWEEP = """
+import json, sys
+from pipelines import sweep
+from pipelines.config import config_from_dict
+
+sweep.run(config_from_dict(json.loads(sys.argv[1])))
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sweep_killed_after_its_trials_completes_on_a_rerun_without_running_them_again(tiny_targets, tiny_setup,
+                                                                                         ray_cluster):
+    """Killed once every trial has ended (before best.yaml): the re-run restores the Tune experiment into the same
+    parent MLflow run — one parent, one child per trial, one best.yaml — and a third run is refused."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlflow
+
+    from pipelines import records
+
+    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *SWEEP, "sweep.scorers=[mlstm]", "sweep.steps=2",
+                      "sweep.grace_period=1", "sweep.max_concurrent_trials=1", "sweep.name=killed-once")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RAY_ADDRESS": ray_cluster,
+           records.CRASH_ENV: "sweep.trials_done"}
+    killed = subprocess.run([sys.executable, "-c", KILLED_SWEEP, json.dumps(cfg.to_dict())], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == records.CRASH_EXIT_CODE, killed.stderr[-3000:]
+    root = sweep.sweep_root(cfg) / "killed-once"
+    assert sweep.killed_sweep(root) and sweep.plan(cfg).resume
+
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
+    children_before = client.search_runs([experiment], filter_string="tags.`kvpop.stage` = 'sweep-trial' and "
+                                                                     "tags.`kvpop.sweep` = 'killed-once'")
+    assert len(children_before) == 1
+    result = sweep.run(cfg)
+    parents = client.search_runs([experiment], filter_string="tags.mlflow.runName = 'killed-once' and "
+                                                             "tags.`kvpop.stage` = 'sweep'")
+    assert [r.info.run_id for r in parents] == [result.parent_run_id]
+    assert parents[0].info.status == "FINISHED" and parents[0].data.metrics["trials.finished"] == 1
+    children = client.search_runs([experiment], filter_string="tags.`kvpop.stage` = 'sweep-trial' and "
+                                                              "tags.`kvpop.sweep` = 'killed-once'")
+    assert [c.info.run_id for c in children] == [children_before[0].info.run_id] == [result.best_run_id]
+    assert children[0].info.status == "FINISHED"
+    assert [t["steps"] for t in result.trials] == [2]
+    assert [m.step for m in client.get_metric_history(result.best_run_id, "kl")] == [1, 2]  # not trained again
+    assert sorted(p.name for p in root.glob("*.yaml")) == ["best.yaml"] and load_config(result.best_path)
+    with pytest.raises(ConfigError, match="already exists"):
+        sweep.plan(cfg)
