@@ -49,13 +49,23 @@ def _store_lock(uri: str) -> Iterator[None]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+TRACKING_ENV = "MLFLOW_TRACKING_URI"  # a cluster's MLflow server, chosen by the user (PipelineConfig.tracking_uri)
+
+
 def setup(cfg: PipelineConfig) -> str:
     """Point MLflow at the config's store and make sure the experiment exists; returns its id."""
     import mlflow
 
     os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = cfg.tracking_uri()
+    chosen = os.environ.get(TRACKING_ENV)
     mlflow.set_tracking_uri(uri)
+    # MLflow also writes the URI into $MLFLOW_TRACKING_URI, which cfg.tracking_uri() reads as the user's choice: a
+    # later config (another home) in this process, or a child process, would then use this config's store
+    if chosen is None:
+        os.environ.pop(TRACKING_ENV, None)
+    else:
+        os.environ[TRACKING_ENV] = chosen
     with _store_lock(uri):  # the first query opens (creates, migrates) the store; it is cached afterwards
         experiment = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     if experiment is not None:

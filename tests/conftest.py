@@ -48,6 +48,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _no_tracking_uri(monkeypatch) -> None:
+    """Each test's MLflow store is its config's: a URI an earlier test left in $MLFLOW_TRACKING_URI (mlflow writes it
+    there) would send this test's runs, and its subprocesses' runs, to that store."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _seed() -> None:
     """Every test starts from the same RNG state."""
     random.seed(SEED)

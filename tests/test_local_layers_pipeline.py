@@ -36,7 +36,7 @@ def test_precompute_train_evaluate_on_a_hybrid_model(smollm2_dir, tmp_path, ray_
 
     trained = train.run(cfg)
     assert math.isfinite(trained.metrics["ret_loss"])
-    model, _ = kvpop.load_retrofitted(trained.model_dir)
+    model, _ = kvpop.load_retrofitted(trained.model_dir, base=cfg.model.resolved_path())
     assert model.kvpop_runtime.layer_windows == (LOCAL_WINDOW, None, LOCAL_WINDOW, None)
     assert [m.layer_idx for m in scoring_modules(model)] == [1, 3]
 
