@@ -7,10 +7,11 @@ the allocation is, its mean and peak budget.
 import sys
 
 from jobs._cli import main
-from pipelines import allocate
 
 
 def body(cfg):
+    from pipelines import allocate  # the stage once the command line is good (it imports torch)
+
     result = allocate.run(cfg)
     a = result.allocation
     state = "computed" if result.computed else "committed earlier"
