@@ -2,8 +2,9 @@
 continue a recipe or pipeline on a fresh machine through the product's own resume, and nothing it can remake.
 
 **Packed** (relative to ``$KVPOP_HOME``): the train and evaluate records (``records/train``, ``records/evaluate``);
-per training run, Ray Train's ``checkpoint_manager_snapshot.json`` with the ``checkpoint_*`` folders (the DCP
-checkpoint the snapshot names: Ray refuses a snapshot whose checkpoint is missing) and the ``final_model``; the
+per training run, the ``final_model`` and, unless a train record names that final model (a finished run: the record
+reuses it and nothing resumes it), Ray Train's ``checkpoint_manager_snapshot.json`` with the ``checkpoint_*`` folders
+(the DCP checkpoint the snapshot names: Ray refuses a snapshot whose checkpoint is missing); the
 evaluations (``eval/``: complete results, the parts of an unfinished one, scorers read at other windows); the MLflow
 store (``mlflow.db``, ``mlartifacts/``); and ``kvpop-state.json``, the home it came from. **Not packed**: targets,
 tokenized data and digest caches (the precompute stage remakes targets, and a phase whose train record is finished
@@ -41,13 +42,30 @@ class StateError(ConfigError):
 def members(home: Path) -> list[Path]:
     """The paths (relative to ``home``) an export packs: files and whole folders (module docstring)."""
     found = [Path(name) for name in TOP if (home / name).exists()]
+    finished = _recorded_models(home)
     runs = home / "runs"
     for run in sorted(p for p in runs.iterdir() if p.is_dir()) if runs.is_dir() else []:
+        done = (run / "final_model").resolve() in finished
         for item in sorted(run.iterdir()):
-            if (item.is_file() and item.name in RUN_FILES) or (
-                    item.is_dir() and item.name.startswith(RUN_FOLDERS) and not item.name.startswith(".")):
+            if item.name == "final_model" and item.is_dir():
+                found.append(item.relative_to(home))
+            elif not done and ((item.is_file() and item.name in RUN_FILES) or (
+                    item.is_dir() and item.name.startswith(RUN_FOLDERS) and not item.name.startswith("."))):
                 found.append(item.relative_to(home))
     return found
+
+
+def _recorded_models(home: Path) -> set[Path]:
+    """The final models that ``home``'s train records name (their runs are finished)."""
+    named = set()
+    for record in sorted((home / "records" / "train").glob("*.json")):
+        try:
+            model_dir = json.loads(record.read_text())["payload"]["model_dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if isinstance(model_dir, str):
+            named.add(Path(model_dir).resolve())
+    return named
 
 
 def export(home: str | os.PathLike, out: str | os.PathLike) -> dict:

@@ -17,18 +17,19 @@ def _home(home):
     record = {"payload": {"model_dir": str(home / "runs/r/final_model")}}
     (home / "records" / "train" / "k.json").write_text(json.dumps(record))
     (home / "records" / "precompute" / "p.json").write_text("{}")
-    run = home / "runs" / "r"
-    for folder in ("checkpoint_2026-01-01_00-00-00.000000", "final_model", ".final_model.tmp", "other"):
-        (run / folder).mkdir(parents=True)
-        (run / folder / "x.bin").write_bytes(b"\0\1")
-    (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({"path": str(run / "checkpoint_2026")}))
+    for name in ("r", "u"):  # r finished (its final model is recorded), u half-trained
+        run = home / "runs" / name
+        for folder in ("checkpoint_2026-01-01_00-00-00.000000", "final_model", ".final_model.tmp", "other"):
+            (run / folder).mkdir(parents=True)
+            (run / folder / "x.bin").write_bytes(b"\0\1")
+        (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({"path": str(run / "checkpoint_2026")}))
     (home / "targets" / "t").mkdir(parents=True)
     (home / "targets" / "t" / "shard.parquet").write_bytes(b"big")
     with sqlite3.connect(home / "mlflow.db") as conn:
         conn.execute("CREATE TABLE experiments (id INTEGER, artifact_location VARCHAR(256))")
         conn.execute("CREATE TABLE tags (key VARCHAR(250), value TEXT, n INTEGER)")
         conn.execute("INSERT INTO experiments VALUES (1, ?)", (f"file://{home}/mlartifacts/tests",))
-        conn.execute("INSERT INTO tags VALUES ('kvpop.model_dir', ?, 3)", (str(run / "final_model"),))
+        conn.execute("INSERT INTO tags VALUES ('kvpop.model_dir', ?, 3)", (record["payload"]["model_dir"],))
 
 
 def test_export_packs_what_resume_needs_and_import_moves_it(tmp_path, capsys):
@@ -38,13 +39,16 @@ def test_export_packs_what_resume_needs_and_import_moves_it(tmp_path, capsys):
     assert cli(["export", "--out", str(out), "--home", str(old)]) == 0
     with tarfile.open(out) as tar:
         names = set(tar.getnames())
-    assert {"records/train/k.json", "runs/r/checkpoint_manager_snapshot.json", "runs/r/final_model/x.bin",
-            "runs/r/checkpoint_2026-01-01_00-00-00.000000/x.bin", "mlflow.db", state.MANIFEST} <= names
-    assert not any(n.startswith(("targets", "records/precompute", "runs/r/other", "runs/r/.final")) for n in names)
+    assert {"records/train/k.json", "runs/u/checkpoint_manager_snapshot.json", "runs/r/final_model/x.bin",
+            "runs/u/checkpoint_2026-01-01_00-00-00.000000/x.bin", "runs/u/final_model/x.bin", "mlflow.db",
+            state.MANIFEST} <= names
+    # a finished run's checkpoints stay behind: its record reuses the final model
+    assert not any(n.startswith(("targets", "records/precompute", "runs/r/checkpoint", "runs/r/other",
+                                 "runs/u/other", "runs/r/.final", "runs/u/.final")) for n in names)
     assert cli(["import", str(out), "--home", str(new)]) == 0
     record = json.loads((new / "records" / "train" / "k.json").read_text())
     assert record["payload"]["model_dir"] == str(new / "runs/r/final_model")
-    assert str(new) in (new / "runs/r/checkpoint_manager_snapshot.json").read_text()
+    assert str(new) in (new / "runs/u/checkpoint_manager_snapshot.json").read_text()
     with sqlite3.connect(new / "mlflow.db") as conn:
         assert conn.execute("SELECT artifact_location FROM experiments").fetchone()[0] == \
             f"file://{new}/mlartifacts/tests"
