@@ -74,7 +74,7 @@ def test_every_number_carries_a_run_id_and_commit(ledger):
             if L.parse_cell(key) and L.parse_cell(key)[3] not in dict(L.LEADERBOARD_COLUMNS):
                 continue
             assert L.fmt_metric(m) in text, (run.name, key)
-    assert f"`{L.NOTEBOOK_TAG}`" in text and "`" + "0" * 64 + "`" in text
+    assert f"`{L.NOTEBOOK_COMMIT[:12]}`" in text and "`" + "0" * 64 + "`" in text
 
 
 def test_readme_headline_block_is_refreshed_between_markers(ledger):
