@@ -38,13 +38,18 @@ NEVER = torch.iinfo(torch.long).max // 4  # the eviction position of a token kep
 CHUNK_BACKEND = "chunked"
 
 
-@functools.cache
-def _compiled_flex():
-    # one compiled kernel per shape and mask closure: past dynamo's recompile limit flex silently falls back to its
-    # eager path, which materialises S×S (docs/ENVIRONMENT.md: FlexAttention) — so raise the limit well above what a process needs
+def raise_recompile_limits(limit: int = 512) -> None:
+    """Raise dynamo's recompile limits to at least ``limit``: past them a compiled function silently runs eagerly,
+    which for flex is its math path, materialising S×S (docs/ENVIRONMENT.md: FlexAttention). Compiling once per
+    shape is intended here, so the limit must sit well above the shapes a process uses."""
     for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 512))
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+
+
+@functools.cache
+def _compiled_flex():
+    raise_recompile_limits()  # one compiled kernel per shape and mask closure
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -93,9 +98,10 @@ def _block_extent(values: torch.Tensor, fill, reduce: str) -> torch.Tensor:
     return blocks.amax(-1) if reduce == "max" else blocks.amin(-1)
 
 
-def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_heads: int,
-                         contiguous: bool = False) -> BlockMask:
-    """A BlockMask whose block structure comes from the retention tensors themselves.
+def retention_block_indices(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_heads: int):
+    """The block structure of the retention mask, derived from the retention tensors themselves: ``(partial counts,
+    partial indices, full counts, full indices)`` per (row, query head, query block), as ``BlockMask.from_kv_blocks``
+    takes them. Tensor operations only (no host round trip), so a compiled caller can fuse them.
 
     Token ``t`` (not a sink) is visible to the queries ``t <= d < max(e[t], t + window)``; a sink to every
     ``d >= t``. So a KV block can matter to a query block only if its earliest token is not after the block's last
@@ -120,13 +126,23 @@ def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_
     full = all_valid[:, :, None, :] & (kv_last_start[:, :, None, :] <= qf) & (kv_end_min[:, :, None, :] > ql)
     partial = any_visible & ~full
     partial, full = (x.repeat_interleave(group, dim=1) for x in (partial, full))  # per query head
+    return (*_to_indices(partial), *_to_indices(full))
+
+
+def retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, num_heads: int,
+                         contiguous: bool = False, indices=None) -> BlockMask:
+    """A BlockMask whose block structure comes from the retention tensors themselves
+    (:func:`retention_block_indices`; ``indices``: already computed). ``contiguous``: unpadded whole sequences,
+    positions are indices (a cheaper mask_mod)."""
+    group = num_heads // kv_pos.shape[1]
+    if indices is None:
+        indices = retention_block_indices(q_pos, kv_pos, kv_evict, kv_valid, budget, num_heads)
     if contiguous:
         mask_mod = _contiguous_mask_mod(kv_evict, budget.sink, budget.window, group)
     else:
         mask_mod = _retention_mask_mod(q_pos, kv_pos, kv_evict, kv_valid, budget.sink, budget.window, group)
-    return BlockMask.from_kv_blocks(
-        *_to_indices(partial), *_to_indices(full), BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
-        seq_lengths=(q_pos.shape[-1], kv_pos.shape[-1]))
+    return BlockMask.from_kv_blocks(*indices, BLOCK_SIZE=BLOCK, mask_mod=mask_mod,
+                                    seq_lengths=(q_pos.shape[-1], kv_pos.shape[-1]))
 
 
 @functools.lru_cache(maxsize=16)
@@ -234,6 +250,26 @@ def retention_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid,
     if soft is not None:
         score_mod = _soft_score_mod(soft, budget, hq // hkv)
     out = flex(query, key, value, block_mask=block_mask, score_mod=score_mod, scale=scale, enable_gqa=hq != hkv)
+    return out.transpose(1, 2).contiguous()
+
+
+def candidate_attention(query, key, value, *, q_pos, kv_pos, kv_evict, kv_valid, budget: Budget, scale: float,
+                        backend: str, block_indices=None) -> torch.Tensor:
+    """A cache chunk's one attention call: the chunk's queries over its candidates (the cached slots sorted by position,
+    then the chunk), under the retention rule; returns ``[B, C, Hq, D]``. Shapes as :func:`retention_attention`, every
+    retention tensor ``[B, Hkv, N]``. Unlike it, nothing here waits on the device (no test for whole sequences: a
+    cache's candidates never are), so a chunk can be queued behind the previous one.
+
+    ``backend``: ``flex`` (block-sparse FlexAttention, compiled on CUDA: one kernel per shape, so a caller uses it at
+    a fixed chunk size; ``block_indices`` from :func:`retention_block_indices` if already computed) or ``chunked``
+    (SDPA over query blocks with an explicit mask: any shape, and CPU)."""
+    if backend == "chunked":
+        return _chunked_attention(query, key, value, q_pos, kv_pos, kv_evict, kv_valid, budget, scale)
+    if backend != "flex":
+        raise ValueError(f"candidate_attention: backend must be 'flex' or 'chunked', got {backend!r}")
+    hq, hkv = query.shape[1], key.shape[1]
+    block_mask = retention_block_mask(q_pos, kv_pos, kv_evict, kv_valid, budget, hq, indices=block_indices)
+    out = flex(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=hq != hkv)
     return out.transpose(1, 2).contiguous()
 
 

@@ -19,8 +19,21 @@ The cache never holds more than its ``B`` slots per layer plus one layer's ``B +
 (:class:`KVMeter` counts it): peak K/V memory is bounded by the chunk ``C``, not by the prompt.
 
 * Static policies: the chunk's queries see the candidates under the retention rule, with the priorities of the
-  tokens leaving the window inside the chunk computed for the whole chunk at once (``Policy.resume``); the result
-  is exactly the one-pass mask, for any chunk sizes.
+  tokens leaving the window inside the chunk computed for the whole chunk at once (``Policy.resume``: the mLSTM's
+  chunkwise kernel, carrying its state from chunk to chunk); the result is exactly the one-pass mask, for any chunk
+  sizes. Per layer and chunk: the scorer's resume, then :func:`prepare_static_chunk` (rank the leaving tokens, write
+  the ring's priorities, gather the candidates sorted by position, one eviction position per candidate by the
+  rule's prefix order statistics — every row and head at once), one attention call, and
+  :func:`finish_static_chunk` (the next ``B`` slots: the candidates the chunk's last query retains). What the
+  retention rule decides when is unchanged: a token is scored at the call that moves it out of the window (its
+  position + ``window``), whether that call is in its own chunk or a later one; a ring token's priority is written to
+  its slot at that call's chunk, before the candidates are gathered.
+* **The fused path** (CUDA, chunks of the cache's ``prefill_chunk`` columns — one shape, so compiled once): the
+  attention is block-sparse FlexAttention over the candidates, its block structure derived from the eviction
+  positions (``kvpop.attention.retention_block_indices``), and nothing waits on the host (the padding check runs
+  once per forward, not per layer). ``Runtime.compile_prefill`` also compiles the two bookkeeping functions. Other
+  chunk sizes (a prompt's first, shorter chunk) and CPU take the any-shape path, SDPA over query blocks; every path
+  gives the same retained sets.
 * Dynamic policies (TOVA, H2O) — the chunk rule: (1) the cache as it stands at the chunk's first query ``p0``:
   the eligible cached tokens (``sink <= t <= p0 - window``) keep the ``topk`` best scores, the rest are evicted;
   (2) every query of the chunk attends to what remains plus the chunk, causally, with no eviction inside the
@@ -50,7 +63,8 @@ import transformers
 from packaging.version import Version
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpop.attention import CHUNK_BACKEND, explicit_attention, retention_attention, slot_attention
+from kvpop.attention import (candidate_attention, explicit_attention, raise_recompile_limits, retention_block_indices,
+                             slot_attention)
 from kvpop.policies.base import LayerView, Policy
 from kvpop.retention import anchored_eviction_positions, ranks_newer_wins, retained
 
@@ -101,6 +115,7 @@ class KVpopLayer(CacheLayerMixin):
         self.dynamic_chunks = dynamic_chunks
         self.columns = 0  # input columns seen, padding included: what generate() counts positions with
         self.full = False  # every slot of every row filled (then decoding attends without a mask)
+        self.prefill_chunk = runtime.prefill_chunk  # chunks of this many columns take the fused path (KVpopCache)
 
     # -- transformers' layer interface -------------------------------------------------------------------------
 
@@ -194,7 +209,24 @@ class KVpopLayer(CacheLayerMixin):
         if self.policy.dynamic and not self.dynamic_chunks:  # token by token, exactly as decoding would
             return torch.cat([self._step(layer, query[:, :, i:i + 1], key_new[:, :, i], value_new[:, :, i],
                                          valid[:, i], scale) for i in range(chunk)], dim=1)
+        if valid_cols is not None:
+            self._check_left_padding(valid_cols, valid)
         return self._chunk(layer, query, key_new, value_new, valid, scale)
+
+    def _check_left_padding(self, valid_cols, valid) -> None:
+        """Refuse padding anywhere but before a row's first token. Reading the answer waits for the device, so it is
+        done once per forward: every layer of one forward gets the same mask and has seen the same tokens."""
+        checked = self.runtime.checked_padding
+        if checked is not None and checked[0] is valid_cols and checked[1] is self.meter:
+            return
+        arange = torch.arange(valid.shape[1], device=valid.device)
+        leading = (valid.long().cumsum(-1) == 0).sum(-1)
+        count = valid.sum(-1)
+        if not torch.equal(valid, (arange >= leading[:, None]) & (arange < (leading + count)[:, None])):
+            raise ValueError("KVpop's cache takes left padding only, before a row's first token")
+        if bool(((self.seen > 0) & (count < valid.shape[1])).any()):
+            raise ValueError("padding after a row's first token: KVpop's cache takes left padding only")
+        self.runtime.checked_padding = (valid_cols, self.meter)  # held, so its id cannot be reused meanwhile
 
     def _filled(self) -> bool:
         """Whether every slot of every row holds a token (then, and forever after, attention needs no mask).
@@ -222,97 +254,40 @@ class KVpopLayer(CacheLayerMixin):
 
     # -- a chunk: candidates = slots + chunk, one attention, compression back into the slots
 
+    def _fused(self, query, chunk: int) -> bool:
+        """Whether this chunk takes the fused path: on CUDA, at the cache's fixed chunk size (``prefill_chunk``), so
+        that every compiled piece sees one shape (a prompt's first, shorter chunk takes the any-shape path)."""
+        return query.is_cuda and chunk == self.prefill_chunk
+
     def _chunk(self, layer, query, key_new, value_new, valid, scale):
         bsz, hkv, chunk, _ = key_new.shape
-        arange = torch.arange(chunk, device=key_new.device)
-        leading = (valid.long().cumsum(-1) == 0).sum(-1)
-        count = valid.sum(-1)
-        if not torch.equal(valid, (arange >= leading[:, None]) & (arange < (leading + count)[:, None])):
-            raise ValueError("KVpop's cache takes left padding only, before a row's first token")
-        if bool(((self.seen > 0) & (count < chunk)).any()):
-            raise ValueError("padding after a row's first token: KVpop's cache takes left padding only")
-        new_pos = self.seen[:, None] + arange - leading[:, None]  # [B, C]; padding negative
-        last = (self.seen + count - 1)[:, None, None]  # the chunk's last query, per row
-        new_prio, new_anchor = (None, None) if self.policy.dynamic else \
-            self._leaving_priorities(layer, key_new, value_new, valid, new_pos)
-        cand = self._candidates(key_new, value_new, new_pos, valid, new_prio, new_anchor)
+        new_pos, last, count = chunk_positions(self.seen, valid)
         if self.policy.dynamic:
+            cand = gather_candidates(self.keys, self.values, self.slot_pos, self.slot_prio, None, self.slot_score,
+                                     key_new, value_new, new_pos, valid, None)
+            self.meter.hold(cand.keys.nbytes + cand.values.nbytes)
             out, keep, score = _dynamic_chunk(self.policy, query, cand, self.seen, new_pos, valid, last, scale)
-            cand = cand._replace(score=score)
+            store_candidates(self.keys, self.values, self.slot_pos, self.slot_prio, None, self.slot_score,
+                             cand._replace(score=score), keep, last, self.budget.sink, self.budget.window)
         else:
-            evict = anchored_eviction_positions(cand.prio, cand.anchor, self.budget, self.policy.anchors, cand.pos)
-            out = retention_attention(query, cand.keys, cand.values, q_pos=new_pos, kv_pos=cand.pos, kv_evict=evict,
-                                      kv_valid=cand.valid, budget=self.budget, scale=scale, backend=CHUNK_BACKEND)
-            keep = cand.valid & retained(last, cand.pos, evict, self.budget)
-        self._store(cand, keep, last)
+            raw, state = self.policy.resume(layer, key_new, value_new, valid, new_pos[:, None, :], self.scorer_state)
+            self._keep_state(state)
+            fused = self._fused(query, chunk)
+            compiled = fused and self.runtime.compile_prefill
+            prepare = _compiled(prepare_static_chunk) if compiled else prepare_static_chunk
+            cand, evict, blocks = prepare(self.policy, self.keys, self.values, self.slot_pos, self.slot_prio,
+                                          self.slot_anchor, raw, key_new, value_new, new_pos, valid,
+                                          query.shape[1], checked=not fused, flex=fused)
+            self.meter.hold(cand.keys.nbytes + cand.values.nbytes)
+            out = candidate_attention(query, cand.keys, cand.values, q_pos=new_pos, kv_pos=cand.pos, kv_evict=evict,
+                                      kv_valid=cand.valid, budget=self.budget, scale=scale,
+                                      backend="flex" if fused else "chunked", block_indices=blocks)
+            finish = _compiled(finish_static_chunk) if compiled else finish_static_chunk
+            finish(self.keys, self.values, self.slot_pos, self.slot_prio, self.slot_anchor, cand, evict, last,
+                   self.budget)
         self.meter.release(cand.keys.nbytes + cand.values.nbytes)
         self.seen += count
         return out
-
-    def _leaving_priorities(self, layer, key_new, value_new, valid, new_pos):
-        """The chunk's call ``i`` makes token ``new_pos[i] - window`` leave the window and gives its priority: for a
-        token of the chunk it is returned (``[B, Hkv, C]``, -inf for tokens still in the window at the chunk's end),
-        for a token in the ring it is written to its slot. Returns the ranked priorities and the anchors' (``None``
-        without anchor slots)."""
-        s, w = self.budget.sink, self.budget.window
-        bsz, hkv, chunk, _ = key_new.shape
-        raw, state = self.policy.resume(layer, key_new, value_new, valid, new_pos[:, None, :], self.scorer_state)
-        self._keep_state(state)
-        leaving = (new_pos - w)[:, None, :].expand(bsz, hkv, chunk)
-        from_ring = leaving[..., :w]  # distinct ring slots: at most `window` consecutive positions
-        slot = s + (from_ring - s) % w
-        out = []
-        for store, prio in ((self.slot_prio, self.policy.ranked(raw.float(), leaving)),
-                            (self.slot_anchor, self.policy.anchor_ranked(raw.float(), leaving))):
-            if store is None:
-                out.append(None)
-                continue
-            new_prio = torch.full((bsz, hkv, chunk), float("-inf"), device=key_new.device)
-            new_prio[..., :max(chunk - w, 0)] = prio[..., w:]
-            store.scatter_(-1, slot, torch.where(from_ring >= s, prio[..., :w], store.gather(-1, slot)))
-            out.append(new_prio)
-        return tuple(out)
-
-    def _candidates(self, key_new, value_new, new_pos, valid, new_prio, new_anchor=None) -> Candidates:
-        bsz, hkv, chunk, dim = key_new.shape
-        slots = self.budget.total
-        order = self.slot_pos.argsort(-1)
-        pos = torch.cat([self.slot_pos.gather(-1, order), new_pos[:, None, :].expand(bsz, hkv, chunk)], -1)
-        ok = torch.cat([pos[..., :slots] >= 0, valid[:, None, :].expand(bsz, hkv, chunk)], -1)
-        kv = []
-        for cached, new in ((self.keys, key_new), (self.values, value_new)):
-            both = cached.new_empty(bsz, hkv, slots + chunk, cached.shape[-1])  # the only transient copy
-            torch.gather(cached, 2, order[..., None].expand(-1, -1, -1, cached.shape[-1]), out=both[:, :, :slots])
-            both[:, :, slots:] = new
-            kv.append(both)
-        self.meter.hold(kv[0].nbytes + kv[1].nbytes)
-        prio = None if new_prio is None else torch.cat([self.slot_prio.gather(-1, order), new_prio], -1)
-        anchor = None if new_anchor is None else torch.cat([self.slot_anchor.gather(-1, order), new_anchor], -1)
-        score = None if self.slot_score is None else torch.cat(
-            [self.slot_score.gather(-1, order), self.slot_score.new_zeros(bsz, hkv, chunk)], -1)
-        return Candidates(pos, ok, kv[0], kv[1], prio, score, anchor)
-
-    def _store(self, cand: Candidates, keep, last) -> None:
-        """Write the kept candidates into their slots (sinks at their position, the window in its ring, the
-        long-range ones in position order after it); slots nobody takes are left empty."""
-        s, w, slots = self.budget.sink, self.budget.window, self.budget.total
-        long_range = keep & (cand.pos >= s) & (cand.pos <= last - w)
-        slot = torch.where(cand.pos < s, cand.pos, s + (cand.pos - s) % w)
-        slot = torch.where(long_range, s + w + long_range.long().cumsum(-1) - 1, slot)
-        slot = torch.where(keep, slot, slots)  # dropped: a spare slot past the end
-        source = torch.full(slot.shape[:2] + (slots + 1,), -1, dtype=torch.long, device=slot.device)
-        source = source.scatter_(-1, slot, torch.arange(slot.shape[-1], device=slot.device).expand_as(slot))
-        source = source[..., :slots]
-        empty = source < 0
-        source = source.clamp(min=0)  # an empty slot holds some candidate's finite values, masked as empty
-        for store, values in ((self.keys, cand.keys), (self.values, cand.values)):
-            torch.gather(values, 2, source[..., None].expand(-1, -1, -1, store.shape[-1]), out=store)
-        self.slot_pos.copy_(torch.where(empty, -1, cand.pos.gather(-1, source)))
-        for store, prio in ((self.slot_prio, cand.prio), (self.slot_anchor, cand.anchor)):
-            if prio is not None:
-                store.copy_(torch.where(empty, float("-inf"), prio.gather(-1, source)))
-        if cand.score is not None:
-            self.slot_score.copy_(torch.where(empty, 0.0, cand.score.gather(-1, source)))
 
     def _keep_state(self, state):
         """Adopt the scorer's new state by copying into the buffers already held (a replayable CUDA graph needs
@@ -323,6 +298,114 @@ class KVpopLayer(CacheLayerMixin):
         for name, tensor in state.items():
             if tensor is not self.scorer_state[name]:
                 self.scorer_state[name].copy_(tensor)
+
+
+# -----------------------------------------------------------------------------
+# one chunk on the slot tensors (pure functions of tensors, nothing waits on the device: compilable, in place)
+
+
+def chunk_positions(seen: torch.Tensor, valid: torch.Tensor):
+    """``(positions [B, C] of the chunk's columns — left padding negative —, each row's last query [B, 1, 1], real
+    tokens per row [B])`` for a chunk after ``seen [B]`` real tokens, ``valid [B, C]`` (left padding only)."""
+    arange = torch.arange(valid.shape[1], device=valid.device)
+    leading = (valid.long().cumsum(-1) == 0).sum(-1)
+    count = valid.sum(-1)
+    return seen[:, None] + arange - leading[:, None], (seen + count - 1)[:, None, None], count
+
+
+def leaving_priorities(policy, raw, new_pos, slot_prio, slot_anchor, sink: int, window: int):
+    """The chunk's call ``i`` makes token ``new_pos[i] - window`` leave the window, with raw priority ``raw[..., i]``
+    (``Policy.resume``). For a token of the chunk its ranked priority is returned (``[B, Hkv, C]``, -inf for tokens
+    still in the window at the chunk's end); for a token in the ring it is written to its slot (in place). Returns
+    the ranked priorities and the anchors' (``None`` without anchor slots)."""
+    bsz, hkv, chunk = raw.shape
+    leaving = (new_pos - window)[:, None, :].expand(bsz, hkv, chunk)
+    from_ring = leaving[..., :window]  # distinct ring slots: at most `window` consecutive positions
+    slot = sink + (from_ring - sink) % window
+    out = []
+    for store, rank in ((slot_prio, policy.ranked), (slot_anchor, policy.anchor_ranked)):
+        if store is None:
+            out.append(None)
+            continue
+        prio = rank(raw.float(), leaving)
+        new_prio = torch.full((bsz, hkv, chunk), float("-inf"), device=raw.device)
+        new_prio[..., :max(chunk - window, 0)] = prio[..., window:]
+        store.scatter_(-1, slot, torch.where(from_ring >= sink, prio[..., :window], store.gather(-1, slot)))
+        out.append(new_prio)
+    return tuple(out)
+
+
+def gather_candidates(keys, values, slot_pos, slot_prio, slot_anchor, slot_score, key_new, value_new, new_pos, valid,
+                      new_prio, new_anchor=None) -> Candidates:
+    """What a chunk competes over: the cached slots sorted by position (empty ones first), then the chunk."""
+    bsz, hkv, chunk, _ = key_new.shape
+    slots = slot_pos.shape[-1]
+    order = slot_pos.argsort(-1)
+    pos = torch.cat([slot_pos.gather(-1, order), new_pos[:, None, :].expand(bsz, hkv, chunk)], -1)
+    ok = torch.cat([pos[..., :slots] >= 0, valid[:, None, :].expand(bsz, hkv, chunk)], -1)
+    keys, values = (torch.cat([cached.gather(2, order[..., None].expand(-1, -1, -1, cached.shape[-1])), new], 2)
+                    for cached, new in ((keys, key_new), (values, value_new)))  # the only transient copy
+    prio = None if new_prio is None else torch.cat([slot_prio.gather(-1, order), new_prio], -1)
+    anchor = None if new_anchor is None else torch.cat([slot_anchor.gather(-1, order), new_anchor], -1)
+    score = None if slot_score is None else torch.cat([slot_score.gather(-1, order),
+                                                       slot_score.new_zeros(bsz, hkv, chunk)], -1)
+    return Candidates(pos, ok, keys, values, prio, score, anchor)
+
+
+def store_candidates(keys, values, slot_pos, slot_prio, slot_anchor, slot_score, cand: Candidates, keep, last,
+                     sink: int, window: int) -> None:
+    """Write the kept candidates into their slots, in place (sinks at their position, the window in its ring, the
+    long-range ones in position order after it); slots nobody takes are left empty."""
+    slots = slot_pos.shape[-1]
+    long_range = keep & (cand.pos >= sink) & (cand.pos <= last - window)
+    slot = torch.where(cand.pos < sink, cand.pos, sink + (cand.pos - sink) % window)
+    slot = torch.where(long_range, sink + window + long_range.long().cumsum(-1) - 1, slot)
+    slot = torch.where(keep, slot, slots)  # dropped: a spare slot past the end
+    source = torch.full(slot.shape[:2] + (slots + 1,), -1, dtype=torch.long, device=slot.device)
+    source = source.scatter_(-1, slot, torch.arange(slot.shape[-1], device=slot.device).expand_as(slot))
+    source = source[..., :slots]
+    empty = source < 0
+    source = source.clamp(min=0)  # an empty slot holds some candidate's finite values, masked as empty
+    for store, new in ((keys, cand.keys), (values, cand.values)):
+        store.copy_(new.gather(2, source[..., None].expand(-1, -1, -1, store.shape[-1])))
+    slot_pos.copy_(torch.where(empty, -1, cand.pos.gather(-1, source)))
+    for store, prio in ((slot_prio, cand.prio), (slot_anchor, cand.anchor)):
+        if prio is not None:
+            store.copy_(torch.where(empty, float("-inf"), prio.gather(-1, source)))
+    if cand.score is not None:
+        slot_score.copy_(torch.where(empty, 0.0, cand.score.gather(-1, source)))
+
+
+def prepare_static_chunk(policy, keys, values, slot_pos, slot_prio, slot_anchor, raw, key_new, value_new, new_pos,
+                         valid, num_heads: int, *, checked: bool = True, flex: bool = False):
+    """A static policy's chunk up to its attention: rank the leaving tokens (:func:`leaving_priorities`), gather the
+    candidates, and give every candidate its eviction position under the rule (exact: the cache holds every token
+    still retained at the chunk's first query, and evicted ones never return). Returns ``(candidates, eviction
+    positions, FlexAttention block indices or None)``. ``checked=False`` skips the priorities' NaN test (a wait on
+    the device); ``flex`` also derives the block structure, here where a compiled caller fuses it."""
+    budget = policy.budget
+    new_prio, new_anchor = leaving_priorities(policy, raw, new_pos, slot_prio, slot_anchor, budget.sink, budget.window)
+    cand = gather_candidates(keys, values, slot_pos, slot_prio, slot_anchor, None, key_new, value_new, new_pos, valid,
+                             new_prio, new_anchor)
+    evict = anchored_eviction_positions(cand.prio, cand.anchor, budget, policy.anchors, cand.pos, check=checked)
+    blocks = retention_block_indices(new_pos, cand.pos, evict, cand.valid, budget, num_heads) if flex else None
+    return cand, evict, blocks
+
+
+def finish_static_chunk(keys, values, slot_pos, slot_prio, slot_anchor, cand: Candidates, evict, last,
+                        budget) -> None:
+    """Compress the candidates back into the ``B`` slots: exactly those the chunk's last query retains."""
+    keep = cand.valid & retained(last, cand.pos, evict, budget)
+    store_candidates(keys, values, slot_pos, slot_prio, slot_anchor, None, cand, keep, last, budget.sink,
+                     budget.window)
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` under ``torch.compile`` at static shapes (``Runtime.compile_prefill``: one chunk size, so one shape per
+    batch size and budget)."""
+    raise_recompile_limits()
+    return torch.compile(fn, dynamic=False)
 
 
 def _best(score: torch.Tensor, eligible: torch.Tensor, topk: int) -> torch.Tensor:
@@ -547,6 +630,19 @@ class KVpopCache(Cache):
                                  f"type is registered for it in kvpop.cache.LAYER_TYPES")
             layers.append(layer_class(runtime, i, own, self.meter, dynamic_chunks))
         super().__init__(layers=layers)
+
+    @property
+    def prefill_chunk(self) -> int:
+        """The chunk size at which a chunk takes the fused path on CUDA (FlexAttention and, with
+        ``Runtime.compile_prefill``, the compiled bookkeeping; one shape, compiled once): ``Runtime.prefill_chunk``
+        unless :func:`kvpop.decode.prefill` or ``generate`` feeds the prompt in chunks of another size. Chunks of any
+        other size (a prompt's first, shorter one) take the any-shape path, with the same result."""
+        return self.layers[0].prefill_chunk
+
+    @prefill_chunk.setter
+    def prefill_chunk(self, chunk: int) -> None:
+        for layer in self.layers:
+            layer.prefill_chunk = chunk
 
     @property
     def peak_kv_bytes(self) -> int:

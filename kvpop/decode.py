@@ -43,6 +43,7 @@ def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, 
     chunk = chunk if chunk is not None else model.kvpop_runtime.prefill_chunk
     keep = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", lambda: False)() else {}
     bounds = chunk_bounds(cache.get_seq_length(), input_ids.shape[1], chunk)
+    cache.prefill_chunk = chunk  # the size at which its chunks take the fused path (kvpop.cache)
     for start, end in zip(bounds[:-1], bounds[1:]):
         _forward(model, cache, input_ids, start, end, attention_mask, position_ids, **keep)
     return cache

@@ -81,7 +81,8 @@ def prefix_kth_largest(rank: torch.Tensor, k: int) -> torch.Tensor:
     return answer.reshape(*lead, n)
 
 
-def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.Tensor | None = None) -> torch.Tensor:
+def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.Tensor | None = None, *,
+                       check: bool = True) -> torch.Tensor:
     """``e[..., t]``: the first query position at which token ``t`` is no longer retained, ``S`` if never.
 
     ``priority`` is float ``[..., S]`` (any leading dims); sinks and tokens whose eviction would fall at or past
@@ -93,8 +94,12 @@ def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.
     left-padded row (pads get negative positions: like sinks they never compete). The subset must contain every
     token still retained at the first query of interest (evicted tokens never return, so the rest cannot matter).
     Then ``e`` is in positions and "never" is ``positions.max() + 1``.
+
+    No step waits on the device (a fused prefill chunk runs it inside ``torch.compile`` / a CUDA stream without a
+    host round trip); ``check=False`` also skips the input check, whose NaN test is one such wait.
     """
-    _check_priority(priority)
+    if check:
+        _check_priority(priority)
     size = priority.shape[-1]
     s, w, k = budget.sink, budget.window, budget.topk
     if positions is None:
@@ -102,7 +107,7 @@ def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.
         never = size
     else:
         pos = positions.to(device=priority.device, dtype=torch.long).expand(priority.shape)
-        never = int(pos.max()) + 1
+        never = pos.amax() + 1  # a 0-dim tensor: reading it on the host would wait for the device
     competes = pos >= s
     if k == 0:
         leave = pos + w  # nothing to keep: evicted as soon as it leaves the window
@@ -113,7 +118,7 @@ def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.
         first_beaten = torch.searchsorted(theta.contiguous(), rank.contiguous(), right=True)
         index = torch.maximum(first_beaten, torch.arange(size, device=priority.device))  # not before it is eligible
         leave = torch.where(index < size, pos.gather(-1, index.clamp(max=size - 1)) + w, never)
-    return torch.where(competes, leave.clamp(max=never), never)
+    return torch.where(competes, torch.minimum(leave, torch.as_tensor(never, device=leave.device)), never)
 
 
 def retained(query_pos: torch.Tensor, token_pos: torch.Tensor, eviction: torch.Tensor, budget: Budget):
@@ -169,7 +174,8 @@ def with_recency(priority: torch.Tensor, recency: float, positions: torch.Tensor
 
 
 def anchored_eviction_positions(ranked: torch.Tensor, anchor_ranked: torch.Tensor | None, budget: Budget,
-                                anchors: int, positions: torch.Tensor | None = None) -> torch.Tensor:
+                                anchors: int, positions: torch.Tensor | None = None, *,
+                                check: bool = True) -> torch.Tensor:
     """``e`` when ``anchors`` of the ``topk`` long-range slots rank apart (METHOD §1, anchor slots).
 
     Two pools over the same eligible tokens: ``topk - anchors`` slots keep the best by ``ranked`` (the priority with
@@ -177,14 +183,16 @@ def anchored_eviction_positions(ranked: torch.Tensor, anchor_ranked: torch.Tenso
     own term); a token is retained while either pool holds it. Each pool is the rule of :func:`eviction_positions`
     on its own static priority, so each evicts a token once and for all, and so does their union:
     ``e = max(e_main, e_anchor)``. At most ``topk`` long-range tokens are retained (fewer where the pools overlap).
-    ``anchors = 0`` is the one-pool rule (``anchor_ranked`` unused). ``positions`` as in :func:`eviction_positions`.
+    ``anchors = 0`` is the one-pool rule (``anchor_ranked`` unused). ``positions`` and ``check`` as in
+    :func:`eviction_positions`.
     """
     if not 0 <= anchors <= budget.topk:
         raise ValueError(f"anchors must be in 0 … topk = {budget.topk}, got {anchors}")
     if anchors == 0:
-        return eviction_positions(ranked, budget, positions)
-    main = eviction_positions(ranked, Budget(budget.sink, budget.window, budget.topk - anchors), positions)
-    anchor = eviction_positions(anchor_ranked, Budget(budget.sink, budget.window, anchors), positions)
+        return eviction_positions(ranked, budget, positions, check=check)
+    main = eviction_positions(ranked, Budget(budget.sink, budget.window, budget.topk - anchors), positions,
+                              check=check)
+    anchor = eviction_positions(anchor_ranked, Budget(budget.sink, budget.window, anchors), positions, check=check)
     return torch.maximum(main, anchor)
 
 

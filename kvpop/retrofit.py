@@ -64,7 +64,11 @@ class Runtime:
     oracle: torch.Tensor | None = None  # [layers, B, Hkv, S] teacher targets for the oracle policy
     collected: dict | None = None  # layer -> ranked priorities (with grad) of the last forward
     pending: dict = field(default_factory=dict)  # layer -> cache layer whose update awaits its attention call
+    checked_padding: tuple | None = None  # (padding mask, cache meter) a cache layer has validated in this forward
     compile_decode: bool = False  # torch.compile each layer's decoding step (fuses ~100 small kernels per layer)
+    # torch.compile each layer's chunk bookkeeping (ranking, candidates, eviction positions, block structure, the
+    # store) in the fused prefill on CUDA (kvpop.cache: a chunk of the cache's prefill_chunk columns); CPU ignores it
+    compile_prefill: bool = False
     # generate() feeds a longer prompt in chunks of this many columns, each compressed into the B slots before the
     # next (bounded prefill: K/V memory peaks at B + chunk per layer, not at the prompt's length)
     prefill_chunk: int = 2048
@@ -197,6 +201,7 @@ def _generate_with_kvpop_cache(self, inputs=None, *args, prefill_chunk: int | No
     if torch.is_tensor(ids) and ids.dim() == 2 and isinstance(cache, KVpopCache):
         chunk = prefill_chunk if prefill_chunk is not None else self.kvpop_runtime.prefill_chunk
         bounds = chunk_bounds(cache.get_seq_length(), ids.shape[1], chunk)
+        cache.prefill_chunk = chunk
         if len(bounds) > 2:  # all but the last chunk here; transformers' first forward takes the last
             end = bounds[-2]
             mask = kwargs.get("attention_mask")
