@@ -1,15 +1,24 @@
-"""Serving capacity (issue 14): the largest batch that fits on one GPU, and its decode throughput, for dense at its
-best and for KVpop at B = 2048 and 1024, at 8k / 32k / 128k context, for SmolLM2-135M's and Qwen3-0.6B's shapes
-(random weights); the byte floor next to every figure; prefill time and peak memory.
+"""Serving capacity and prefill speed (issues 14 and 44): the bounded prefill against dense's, and the largest batch
+that fits on one GPU with its decode throughput, for dense at its best and for KVpop at B = 2048 and 1024, at 8k /
+32k / 128k context, for SmolLM2-135M's and Qwen3-0.6B's shapes (random weights); the byte floor next to every decode
+figure.
 
+* **Prefill** (its own table): seconds and tokens/s of one row and of a batch of rows (``prefill_batch_tokens`` per
+  batch: 32 rows at 8k, 8 at 32k, 2 at 128k) at every context, dense beside KVpop in the same run and their ratio
+  (``× dense``). KVpop's prompt goes through :func:`kvpop.prefill` in chunks of ``prefill_chunk`` columns (the fused
+  path: FlexAttention over the B slots + the chunk, ``Runtime.compile_prefill`` compiling the chunk bookkeeping);
+  at ``sweep_context`` with one row every chunk size of ``prefill_chunks`` (1k / 2k / 4k / 8k) is timed too. Each
+  configuration is warmed up first (compiling its shapes; ``warmup_s``) on a prompt of two chunks, then timed.
+  ``--profile FILE`` writes a torch.profiler table of the top kernels of one KVpop prefill and of dense's, so a
+  missed target names the kernel that holds it back.
 * **Dense at its best**: each row's keys/values in an exact-sized preallocated buffer (``context`` slots per layer),
   one decoding step of the whole model captured as a CUDA graph, attention by SDPA with the query heads grouped on
   their KV head and no mask (a flash decoding kernel on CUDA). To keep the step's shapes constant (a graph replays
   fixed shapes) the new token overwrites the oldest slot: every timed step attends to exactly ``context`` tokens,
   which is what dense decoding at that context reads. Its prefill: one flash causal pass over the prompt.
-* **KVpop**: the mLSTM scorer, budget ``Budget(4, 256, B - 260)``, the prompt prefilled in chunks
-  (:func:`kvpop.prefill`, bounded memory), one decoding step of the whole model captured as a CUDA graph
-  (:class:`kvpop.decode.GraphedDecoder`; ``--compile`` also fuses each layer's KVpop step with torch.compile).
+* **KVpop decoding**: the mLSTM scorer, budget ``Budget(4, 256, B - 260)``, one decoding step of the whole model
+  captured as a CUDA graph (:class:`kvpop.decode.GraphedDecoder`); ``compile_decode`` ``on`` also fuses each layer's
+  KVpop step with torch.compile (``Runtime.compile_decode``), ``both`` times the largest batch both ways.
 * **Largest batch**: one real prefill of a single row, then the per-row state (dense: ``context`` tokens of K/V;
   KVpop: its slots, metadata and scorer state, measured) and a per-row estimate of a step's activations give the
   batch from the free memory (``--margin-gib`` kept back); the row is replicated to that batch (the decode state a
@@ -18,8 +27,9 @@ best and for KVpop at B = 2048 and 1024, at 8k / 32k / 128k context, for SmolLM2
 * **Byte floor** of a step: weights + the state it reads (dense K/V; KVpop K/V + metadata + scorer state) ÷ the
   device copy bandwidth measured in the same run.
 
-    python benchmarks/capacity.py --preset h200 --out benchmarks/results/capacity_h200.json   # ~5 GPU minutes
-    python benchmarks/capacity.py --preset cpu-tiny                                           # a smoke run on CPU
+    python benchmarks/capacity.py --preset quick --out /tmp/capacity_quick.json   # ~5 min on an H100 / H200
+    python benchmarks/capacity.py --preset h200 --out /tmp/capacity_h200.json     # every figure, ~15 GPU minutes
+    python benchmarks/capacity.py --preset cpu-tiny                                 # a smoke run on CPU
 """
 from __future__ import annotations
 
@@ -50,13 +60,22 @@ SHAPES = {  # (architecture, config): the published models' shapes, random weigh
                                  num_key_value_heads=2, head_dim=16, vocab_size=300)),
 }
 
+GPU = dict(models=["qwen3-0.6b", "smollm2-135m"], contexts=[8192, 32768, 131072], budgets=[2048, 1024], sink=4,
+           window=256, dtype="bfloat16", prefill_chunk=4096, prefill_chunks=[1024, 2048, 4096, 8192],
+           sweep_context=32768, prefill_batch_tokens=262144, compile_prefill=True, margin_gib=4.0, memory_gib=None,
+           max_batch=1 << 16)
 PRESETS = {
-    "h200": dict(models=["qwen3-0.6b", "smollm2-135m"], contexts=[131072, 32768, 8192], budgets=[2048, 1024],
-                 sink=4, window=256, dtype="bfloat16", steps=20, fractions=[1.0, 0.5, 0.25], prefill_chunk=2048,
-                 margin_gib=4.0, memory_gib=None, max_batch=1 << 16, time_limit=285.0),
-    "cpu-tiny": dict(models=["tiny-llama", "tiny-qwen3"], contexts=[256, 128], budgets=[64, 40], sink=2, window=16,
-                     dtype="float32", steps=2, fractions=[1.0, 0.5], prefill_chunk=32, margin_gib=0.0,
-                     memory_gib=0.004, max_batch=8, time_limit=600.0),
+    # every figure: prefill, then decoding at every context, the largest batch and fractions of it
+    "h200": dict(GPU, decode_contexts=[131072, 32768, 8192], steps=20, fractions=[1.0, 0.5, 0.25],
+                 compile_decode="both", time_limit=900.0),
+    # what issue 44 asks, in ~5 minutes: the prefill table, decoding at one context (a KVpop row's state does not
+    # depend on it) at the largest batch, its KVpop step eager and compiled
+    "quick": dict(GPU, decode_contexts=[32768], steps=20, fractions=[1.0], compile_decode="both", time_limit=270.0),
+    "cpu-tiny": dict(models=["tiny-llama", "tiny-qwen3"], contexts=[128, 256], budgets=[64, 40], sink=2, window=16,
+                     dtype="float32", prefill_chunk=32, prefill_chunks=[16, 32, 64], sweep_context=256,
+                     prefill_batch_tokens=512, compile_prefill=False, decode_contexts=[256], steps=2,
+                     fractions=[1.0, 0.5], compile_decode="off", margin_gib=0.0, memory_gib=0.004, max_batch=8,
+                     time_limit=600.0),
 }
 DENSE_ATTENTION = "kvpop_capacity_dense"
 
@@ -224,25 +243,19 @@ class Config:
     # -- prefill of one row
 
     def prefill(self):
-        import kvpop
-
+        """One row's prefill: the decode state every batch replicates (timed too; the prefill table is the sweep's)."""
         cfg = self.model.config
         ids = torch.randint(0, cfg.vocab_size, (1, self.context), device=self.device)
         self._reset_peak()
         before = self._allocated()
         _sync(self.device)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            if self.policy == "dense":
-                cache = dense_cache(self.model, 1, self.context)
-                self.model(input_ids=ids, position_ids=torch.arange(self.context, device=self.device)[None],
-                           use_cache=True, logits_to_keep=1, **{_cache_kwarg(): cache})
-                kv_peak = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-                state = kv_peak
-            else:
-                cache = kvpop.prefill(self.model, ids, chunk=self.args["prefill_chunk"])
-                kv_peak = cache.peak_kv_bytes
-                state = sum(cache.nbytes().values())
+        cache = run_prefill(self.model, "dense" if self.policy == "dense" else "kvpop", ids, self.args["prefill_chunk"])
+        if self.policy == "dense":
+            kv_peak = state = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+        else:
+            kv_peak = cache.peak_kv_bytes
+            state = sum(cache.nbytes().values())
         _sync(self.device)
         seconds = time.perf_counter() - t0
         self.cache, self.state_per_row = cache, state
@@ -300,7 +313,9 @@ class Config:
             replay()
             step = time_steps(replay, self.args["steps"], self.device)
         floor = (self.weights + state) / self.bandwidth
-        return {"batch": batch, "step_ms": 1e3 * step, "tokens_per_s": batch / step, "floor_ms": 1e3 * floor,
+        compiled = self.policy != "dense" and self.model.kvpop_runtime.compile_decode
+        return {"batch": batch, "compiled_step": compiled, "step_ms": 1e3 * step, "tokens_per_s": batch / step,
+                "floor_ms": 1e3 * floor,
                 "x_floor": step / floor, "state_gib": _gib(state), "kv_exceeds_weights": state > self.weights,
                 "kernels_per_step": kernels,
                 "decode_peak_gib": _gib(self._peak()) if self.device.type == "cuda" else None}
@@ -339,6 +354,135 @@ def _cache_kwarg():
     return CACHE_KWARG
 
 
+# -----------------------------------------------------------------------------
+# prefill: dense against KVpop's bounded prefill, one row and a batch of rows, chunk sizes
+
+
+def set_policy(model, args, policy: str, budget: int | None) -> None:
+    """Dense attention at its best (flash causal prefill) or KVpop at budget ``B`` (the preset's sink and window)."""
+    import kvpop
+
+    if policy == "dense":
+        use_dense_attention(model)
+        return
+    model.config._attn_implementation = "kvpop"
+    kvpop.set_policy(model, "kvpop", kvpop.Budget(args["sink"], args["window"], budget - args["sink"] - args["window"]))
+
+
+@torch.no_grad()
+def run_prefill(model, policy: str, ids, chunk: int):
+    """One prefill of ``ids`` ``[rows, context]``: dense's causal pass into an exact-sized cache, or KVpop's bounded
+    prefill in chunks of ``chunk`` columns (:func:`kvpop.prefill`); returns the cache."""
+    import kvpop
+
+    if policy != "dense":
+        return kvpop.prefill(model, ids, chunk=chunk)
+    rows, context = ids.shape
+    cache = dense_cache(model, rows, context)
+    model(input_ids=ids, position_ids=torch.arange(context, device=ids.device).expand(rows, context), use_cache=True,
+          logits_to_keep=1, **{_cache_kwarg(): cache})
+    return cache
+
+
+def prefill_rows(context: int, args) -> list[int]:
+    """One row, and a batch of ``prefill_batch_tokens // context`` rows (if more than one)."""
+    return sorted({1, max(1, args["prefill_batch_tokens"] // context)})
+
+
+def prefill_plan(args, policies) -> list[tuple]:
+    """``(context, rows, policy, budget, chunk)``: at every context and row count dense, then every budget at
+    ``prefill_chunk``; at ``sweep_context`` with one row, every chunk of ``prefill_chunks`` too."""
+    plan = []
+    for context in args["contexts"]:
+        for rows in prefill_rows(context, args):
+            plan += [(context, rows, "dense", None, None)] if "dense" in policies else []
+            sweep = context == args["sweep_context"] and rows == 1
+            chunks = sorted(set(args["prefill_chunks"]) | {args["prefill_chunk"]}) if sweep else [args["prefill_chunk"]]
+            plan += [(context, rows, "kvpop", budget, chunk) for budget in args["budgets"] for chunk in chunks
+                     if "kvpop" in policies]
+    return plan
+
+
+def time_prefill(model, policy, ids, chunk, device, short: float = 0.5, repeats: int = 5):
+    """``(seconds, peak GiB above what was allocated before)`` of one prefill; one that takes less than ``short``
+    seconds is repeated up to ``repeats`` times and the median taken."""
+    _oom_cleanup(device)
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    while len(times) < (1 if times and times[0] >= short else repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        cache = run_prefill(model, policy, ids, chunk)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        del cache
+    peak = _gib(torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else None
+    return sorted(times)[len(times) // 2], peak
+
+
+def prefill_table(model, name, args, policies, device, result, out, started) -> None:
+    """Every configuration of :func:`prefill_plan`: warmed up on a prompt of two chunks (its compiled shapes), then
+    timed; KVpop's rows carry their tokens/s as a multiple of dense's at the same context and rows (``x_dense``)."""
+    dense_speed = {}
+    for context, rows, policy, budget, chunk in prefill_plan(args, policies):
+        label = "dense" if policy == "dense" else f"kvpop-B{budget}"
+        head = {"model": name, "policy": label, "context": context, "rows": rows, "chunk": chunk,
+                "compiled": policy != "dense" and device.type == "cuda" and args["compile_prefill"]}
+        if time.perf_counter() - started > args["time_limit"]:
+            _emit(result, out, {**head, "skipped": "time limit"}, "prefill")
+            continue
+        set_policy(model, args, policy, budget)
+        try:
+            ids = torch.randint(0, model.config.vocab_size, (rows, context), device=device)
+            t0 = time.perf_counter()
+            run_prefill(model, policy, ids[:, :min(context, 2 * chunk if chunk else 1024)], chunk)  # compiles its shapes
+            _sync(device)
+            warmup = time.perf_counter() - t0
+            seconds, peak = time_prefill(model, policy, ids, chunk, device)
+        except torch.OutOfMemoryError:
+            _oom_cleanup(device)
+            _emit(result, out, {**head, "error": "out of memory"}, "prefill")
+            continue
+        speed = rows * context / seconds
+        row = {**head, "prefill_s": seconds, "tokens_per_s": speed, "peak_gib": peak, "warmup_s": warmup}
+        if policy == "dense":
+            dense_speed[context, rows] = speed
+        elif (context, rows) in dense_speed:
+            row["x_dense"] = speed / dense_speed[context, rows]
+        _emit(result, out, row, "prefill")
+    _oom_cleanup(device)
+
+
+def profile_prefill(model, name, args, device, path: Path) -> None:
+    """Append to ``path`` a torch.profiler table of the top kernels (by their own device time; CPU: operator time)
+    of one KVpop prefill (the first budget, ``prefill_chunk``, one row at ``sweep_context``) and of dense's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    context, chunk, budget = args["sweep_context"], args["prefill_chunk"], args["budgets"][0]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sections = []
+    for policy in ("kvpop", "dense"):
+        set_policy(model, args, policy, budget)
+        ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
+        run_prefill(model, policy, ids[:, :min(context, 2 * chunk)], chunk)  # its compiled shapes, outside the profile
+        _sync(device)
+        with profile(activities=activities) as prof:
+            run_prefill(model, policy, ids, chunk)
+            _sync(device)
+        events = prof.key_averages()
+        sort = next((key for key in ("self_device_time_total", "self_cuda_time_total")
+                     if device.type == "cuda" and events and hasattr(events[0], key)), "self_cpu_time_total")
+        label = "dense" if policy == "dense" else f"kvpop-B{budget}, chunk {chunk}"
+        sections.append(f"## {name} {label}, context {context}, one row (sorted by {sort})\n\n"
+                        + events.table(sort_by=sort, row_limit=30))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write("\n\n".join(sections) + "\n\n")
+    print(f"# profile of {name}'s prefill appended to {path}", flush=True)
+
+
 def run_config(model, name, policy, context, budget, args, device, bandwidth, result, started, out):
     """Prefill, the largest batch, then the fractions of it; rows appended to ``result`` as they come. A failure
     is recorded as a row and the run goes on (an unattended GPU session should not lose the other figures)."""
@@ -352,6 +496,14 @@ def run_config(model, name, policy, context, budget, args, device, bandwidth, re
             _emit(result, out, config.row(**prefill, error="out of memory at every batch tried"))
             return
         _emit(result, out, config.row(**prefill, largest_batch=batch, backoffs=backoffs, **first))
+        if args["compile_decode"] == "both" and policy != "dense":  # the same batch with the layer step compiled
+            stage = "compiled step"
+            runtime = model.kvpop_runtime
+            runtime.compile_decode = True
+            try:
+                _emit(result, out, config.row(**config.decode(batch), largest_compiled=True))
+            finally:
+                runtime.compile_decode = False
         for fraction in args["fractions"][1:]:
             smaller = max(1, int(batch * fraction))
             if smaller == batch or time.perf_counter() - started > args["time_limit"]:
@@ -366,8 +518,8 @@ def run_config(model, name, policy, context, budget, args, device, bandwidth, re
         _oom_cleanup(device)
 
 
-def _emit(result, out, row):
-    result["rows"].append(row)
+def _emit(result, out, row, table="rows"):
+    result[table].append(row)
     print(json.dumps(row), flush=True)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -378,20 +530,30 @@ def main(argv=None):
     from pipelines import ledger  # here, not at the top: transformers imports a module named `kernels` (this folder's)
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--out", default="")
     parser.add_argument("--models", nargs="*", choices=sorted(SHAPES))
-    parser.add_argument("--contexts", type=int, nargs="*")
+    parser.add_argument("--contexts", type=int, nargs="*", help="prefill contexts")
+    parser.add_argument("--decode-contexts", type=int, nargs="*", help="decoding contexts (none: no decoding)")
     parser.add_argument("--budgets", type=int, nargs="*", help="KVpop budgets B (sink and window fixed by the preset)")
     parser.add_argument("--policies", nargs="*", default=["dense", "kvpop"], choices=["dense", "kvpop"])
     parser.add_argument("--steps", type=int, help="timed decoding steps per batch (after warm-up)")
     parser.add_argument("--fractions", type=float, nargs="*", help="batches timed, as fractions of the largest")
-    parser.add_argument("--prefill-chunk", type=int)
+    parser.add_argument("--prefill-chunk", type=int, help="KVpop's prefill chunk (columns per call)")
+    parser.add_argument("--prefill-chunks", type=int, nargs="*", help="chunk sizes timed at --sweep-context")
+    parser.add_argument("--sweep-context", type=int, help="the context of the chunk-size sweep (one row)")
+    parser.add_argument("--prefill-batch-tokens", type=int, help="tokens per prefill batch (rows = this ÷ context)")
+    parser.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false", default=None,
+                        help="the fused prefill's bookkeeping eager (Runtime.compile_prefill off)")
+    parser.add_argument("--compile-decode", choices=["off", "on", "both"],
+                        help="torch.compile each layer's KVpop decoding step; both: the largest batch both ways")
+    parser.add_argument("--compile", dest="compile_decode", action="store_const", const="on",
+                        help="same as --compile-decode on")
+    parser.add_argument("--profile", metavar="FILE", help="write a profiler table of one KVpop and one dense prefill")
     parser.add_argument("--margin-gib", type=float, help="device memory kept back when sizing the batch")
     parser.add_argument("--memory-gib", type=float, help="size batches for this much memory instead of the free")
     parser.add_argument("--max-batch", type=int)
     parser.add_argument("--time-limit", type=float, help="start no new configuration after this many seconds")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each layer's KVpop decoding step")
     parser.add_argument("--no-kernel-count", action="store_true", help="skip profiling one step per batch")
     parser.add_argument("--render", metavar="RESULT.json", help="print the tables of a result file and exit")
     ledger.add_publish_arguments(parser)
@@ -400,16 +562,22 @@ def main(argv=None):
         print(table(json.loads(Path(ns.render).read_text())))
         return None
     args = dict(PRESETS[ns.preset])
-    for key in ("models", "contexts", "budgets", "steps", "fractions", "prefill_chunk", "margin_gib", "memory_gib",
-                "max_batch", "time_limit"):
+    for key in ("models", "contexts", "decode_contexts", "budgets", "steps", "fractions", "prefill_chunk",
+                "prefill_chunks", "sweep_context", "prefill_batch_tokens", "compile_prefill", "compile_decode",
+                "margin_gib", "memory_gib", "max_batch", "time_limit"):
         if getattr(ns, key) is not None:
             args[key] = getattr(ns, key)
     args["count_kernels"] = not ns.no_kernel_count
     for budget in args["budgets"]:
         if budget <= args["sink"] + args["window"]:
             parser.error(f"budget {budget} must exceed sink + window = {args['sink'] + args['window']}")
+    for name in ("prefill_chunk", "sweep_context", "prefill_batch_tokens"):
+        if args[name] < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {args[name]}")
+    if any(chunk < 1 for chunk in args["prefill_chunks"]):
+        parser.error(f"--prefill-chunks must be >= 1, got {args['prefill_chunks']}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and args["memory_gib"] is None:
+    if device.type == "cpu" and args["memory_gib"] is None and args["decode_contexts"]:
         parser.error("on CPU pass --memory-gib (there is no device memory to size the batch from)")
     return run(args, ns, device)
 
@@ -424,19 +592,30 @@ def run(args, ns, device):
     result = {"preset": ns.preset, "device": torch.cuda.get_device_name() if device.type == "cuda" else
               platform.processor() or platform.machine(), "torch": torch.__version__, "dtype": args["dtype"],
               "copy_bandwidth_gbs": bandwidth / 1e9, "sink": args["sink"], "window": args["window"],
-              "compiled_kvpop_step": ns.compile, "steps": args["steps"], "models": {}, "rows": []}
+              "compiled_prefill": device.type == "cuda" and args["compile_prefill"],
+              "compiled_kvpop_step": args["compile_decode"], "steps": args["steps"], "models": {}, "prefill": [],
+              "rows": []}
     if device.type == "cuda":
         result["device_memory_gib"] = _gib(torch.cuda.get_device_properties(0).total_memory)
     out = Path(ns.out) if ns.out else None
-    max_len = max(args["contexts"]) + 1024
+    profile = Path(ns.profile) if ns.profile else None
+    if profile is not None:
+        profile.unlink(missing_ok=True)
+    max_len = max(args["contexts"] + args["decode_contexts"]) + 1024
     for name in args["models"]:
         model = build_model(name, dtype, device, max_len)
         result["models"][name] = {**SHAPES[name][1], "architecture": SHAPES[name][0],
                                   "weights_gib": _gib(weight_bytes(model))}
         kvpop.retrofit(model, kvpop.Budget(args["sink"], args["window"], max(args["budgets"]) - args["sink"] -
                                            args["window"]), scorer="mlstm")
-        model.kvpop_runtime.compile_decode = ns.compile
-        plan = [(context, policy, budget) for context in args["contexts"]
+        model.kvpop_runtime.compile_prefill = args["compile_prefill"]
+        model.kvpop_runtime.compile_decode = args["compile_decode"] == "on"
+        t0 = time.perf_counter()
+        prefill_table(model, name, args, ns.policies, device, result, out, started)
+        print(f"# {name} prefill: {time.perf_counter() - t0:.1f} s", flush=True)
+        if profile is not None and "kvpop" in ns.policies:
+            profile_prefill(model, name, args, device, profile)
+        plan = [(context, policy, budget) for context in args["decode_contexts"]
                 for policy, budget in ([("dense", None)] if "dense" in ns.policies else [])
                 + ([("kvpop", b) for b in args["budgets"]] if "kvpop" in ns.policies else [])]
         for context, policy, budget in plan:
@@ -444,12 +623,7 @@ def run(args, ns, device):
             if time.perf_counter() - started > args["time_limit"]:
                 _emit(result, out, {"model": name, "policy": label, "context": context, "skipped": "time limit"})
                 continue
-            if policy == "dense":
-                use_dense_attention(model)
-            else:
-                model.config._attn_implementation = "kvpop"
-                kvpop.set_policy(model, "kvpop", kvpop.Budget(args["sink"], args["window"],
-                                                              budget - args["sink"] - args["window"]))
+            set_policy(model, args, policy, budget)
             t0 = time.perf_counter()
             run_config(model, name, label, context, budget, args, device, bandwidth, result, started, out)
             print(f"# {name} {label} {context}: {time.perf_counter() - t0:.1f} s", flush=True)
@@ -478,27 +652,30 @@ def table(result) -> str:
                  f"heads × {m['head_dim']}, weights {m['weights_gib']:.2f} GiB"
                  for name, m in result["models"].items()),
              "", "**Decoding** (largest batch that fits first, then smaller ones)", "",
-             "| model | policy | context | batch | largest? | ms/step | tokens/s | floor ms | × floor | state GiB "
-             "| K/V > weights | kernels/step | decode peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | policy | context | batch | largest? | compiled step | ms/step | tokens/s | floor ms | × floor "
+             "| state GiB | K/V > weights | kernels/step | decode peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         head = f"| {r['model']} | {r['policy']} | {r['context']} |"
         if "skipped" in r or "error" in r:
-            lines.append(f"{head} {r.get('skipped', r.get('error'))} | | | | | | | | | |")
+            lines.append(f"{head} {r.get('skipped', r.get('error'))} | | | | | | | | | | |")
             continue
-        lines.append(f"{head} {r['batch']} | {'yes' if 'largest_batch' in r else ''} | {r['step_ms']:.2f} | "
+        lines.append(f"{head} {r['batch']} | {'yes' if 'largest_batch' in r else ''} | "
+                     f"{'yes' if r.get('compiled_step') else 'no'} | {r['step_ms']:.2f} | "
                      f"{r['tokens_per_s']:.0f} | {r['floor_ms']:.2f} | {r['x_floor']:.2f} | {r['state_gib']:.2f} | "
                      f"{'yes' if r['kv_exceeds_weights'] else 'no'} | {_fmt(r.get('kernels_per_step'), 'd')} | "
                      f"{_fmt(r.get('decode_peak_gib'), '.1f')} |")
-    lines += ["", "**Prefill** (one row)", "",
-              "| model | policy | context | chunk | seconds | tokens/s | peak GiB (above weights) | K/V peak GiB | "
-              "state per row GiB |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        if "prefill_s" in r:
-            lines.append(f"| {r['model']} | {r['policy']} | {r['context']} | {_fmt(r['prefill_chunk'], 'd')} | "
-                         f"{r['prefill_s']:.2f} | {r['prefill_tokens_per_s']:.0f} | "
-                         f"{_fmt(r['prefill_peak_gib'], '.2f')} | {r['prefill_kv_peak_gib']:.3f} | "
-                         f"{r['state_per_row_gib']:.4g} |")
+    lines += ["", f"**Prefill** (KVpop's chunk bookkeeping compiled: {result.get('compiled_prefill')}; warm-up = "
+              "the first run, compiling its shapes, not in the timing)", "",
+              "| model | policy | context | rows | chunk | seconds | tokens/s | × dense | peak GiB (above weights) | "
+              "warm-up s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result.get("prefill", []):
+        head = f"| {r['model']} | {r['policy']} | {r['context']} | {r['rows']} | {_fmt(r['chunk'], 'd')} |"
+        if "skipped" in r or "error" in r:
+            lines.append(f"{head} {r.get('skipped', r.get('error'))} | | | | |")
+            continue
+        lines.append(f"{head} {r['prefill_s']:.3f} | {r['tokens_per_s']:.0f} | {_fmt(r.get('x_dense'), '.2f')} | "
+                     f"{_fmt(r['peak_gib'], '.2f')} | {r['warmup_s']:.1f} |")
     return "\n".join(lines)
 
 

@@ -408,11 +408,20 @@ def _table_metrics(rows: Iterable[dict], row_keys: Iterable[str], columns: Itera
 
 def capacity_metrics(result: dict) -> tuple[dict, dict]:
     """``benchmarks/capacity.py``: per model × context × policy the largest batch that fits, its decode tokens/s,
-    × the byte floor, the prefill and its peak (the summary rows; the batch sweep's other rows are not kept)."""
+    × the byte floor, the prefill and its peak (the summary rows; the batch sweep's other rows are not kept; a
+    largest batch timed again with the compiled layer step under ``…/compiled``); and the prefill table, per model ×
+    context × policy × rows × chunk: seconds, tokens/s, × dense, peak (``prefill/…``)."""
     rows = [r for r in result["rows"] if "largest_batch" in r]  # the batch sweep's summary rows
     metrics = _table_metrics(rows, ("model", "context", "policy"),
                              ("largest_batch", "tokens_per_s", "x_floor", "prefill_s", "prefill_tokens_per_s",
                               "prefill_peak_gib"))
+    compiled = [{**r, "step": "compiled"} for r in result["rows"] if r.get("largest_compiled")]
+    metrics.update(_table_metrics(compiled, ("model", "context", "policy", "step"),
+                                  ("batch", "tokens_per_s", "x_floor")))
+    prefill = [{**r, "rows": f"rows{r['rows']}", "chunk": None if r.get("chunk") is None else f"chunk{r['chunk']}"}
+               for r in result.get("prefill", []) if "prefill_s" in r]
+    metrics.update(_table_metrics(prefill, ("model", "context", "policy", "rows", "chunk"),
+                                  ("prefill_s", "tokens_per_s", "x_dense", "peak_gib"), prefix="prefill/"))
     params = {"preset": result.get("preset"), "sink": result.get("sink"), "window": result.get("window"),
               "steps": result.get("steps"), "copy_bandwidth_gbs": result.get("copy_bandwidth_gbs")}
     return params, metrics
