@@ -287,6 +287,28 @@ def test_compare_results_convert_under_the_script_that_wrote_them():
     table = "\n".join(L._run_table(run))  # rows × (baseline, candidate, difference) in RESULTS.md
     assert "| `stdlib/kvpop_r0.0025/B512/top1_agreement` | 0.9 | 0.88 | -0.02 [-0.03, -0.01] |" in table
 
+
+def test_capacity_converter_keeps_the_prefill_table_and_the_compiled_step():
+    """The prefill table's timed rows by model / context / policy / rows / chunk (skipped ones left out), and the
+    largest decode batch timed again with the compiled layer step under ``…/compiled``."""
+    capacity = {"rows": [{"model": "m", "policy": "kvpop-B1024", "context": 8192, "batch": 900, "tokens_per_s": 9e3,
+                          "x_floor": 1.2, "compiled_step": True, "largest_compiled": True}]}
+    capacity["prefill"] = [{"model": "m", "policy": "dense", "context": 8192, "rows": 4, "chunk": None,
+                            "prefill_s": 0.5, "tokens_per_s": 65536.0, "peak_gib": None},
+                           {"model": "m", "policy": "kvpop-B1024", "context": 8192, "rows": 1, "chunk": 2048,
+                            "prefill_s": 0.1, "tokens_per_s": 81920.0, "x_dense": 1.25, "peak_gib": 0.5},
+                           {"model": "m", "policy": "kvpop-B1024", "context": 32768, "rows": 1, "chunk": 2048,
+                            "skipped": "time limit"}]
+    _, metrics = L.capacity_metrics(capacity)
+    assert {k: v["value"] for k, v in metrics.items()} == {
+        "m/ctx8192/kvpop-B1024/compiled/batch": 900, "m/ctx8192/kvpop-B1024/compiled/tokens_per_s": 9e3,
+        "m/ctx8192/kvpop-B1024/compiled/x_floor": 1.2, "prefill/m/ctx8192/dense/rows4/prefill_s": 0.5,
+        "prefill/m/ctx8192/dense/rows4/tokens_per_s": 65536.0, "prefill/m/ctx8192/kvpop-B1024/rows1/chunk2048/prefill_s":
+        0.1, "prefill/m/ctx8192/kvpop-B1024/rows1/chunk2048/tokens_per_s": 81920.0,
+        "prefill/m/ctx8192/kvpop-B1024/rows1/chunk2048/x_dense": 1.25,
+        "prefill/m/ctx8192/kvpop-B1024/rows1/chunk2048/peak_gib": 0.5}
+
+
 def test_benchmark_converters_keep_every_table_cell():
     capacity = {"rows": [{"model": "m", "policy": "dense", "context": 8192, "batch": 3, "tokens_per_s": 1.0},
                          {"model": "m", "policy": "dense", "context": 8192, "largest_batch": 35, "tokens_per_s": 436.5,
