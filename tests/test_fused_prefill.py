@@ -28,6 +28,15 @@ POLICIES = ["kvpop:mlstm", "kvpop:mlp", "kvpop:mlstm_immediate", "kvpop+prior:ml
             "streaming", "random", "oracle", "oracle+ties"]
 # chunks shorter than the window and not dividing S, the window, B, longer than B and not dividing S, the whole prompt
 CHUNKS = [3, 8, 21, 30, SIZE]
+# The two paths share every step but the attention call, and eager FlexAttention on CPU costs ~1 s a test: the
+# any-shape path takes every case, the fused one the cases that reach distinct bookkeeping (the mLSTM's chunkwise
+# resume, two pools with anchor slots, ties decided by the tie rule; streaming for left padding).
+FUSED_POLICIES = ["kvpop:mlstm", "kvpop+anchors:mlstm", "oracle+ties"]
+
+
+def cases(any_shape, fused):
+    """``(policy, path)`` pairs for ``@pytest.mark.parametrize(..., indirect=["path"])``."""
+    return [(policy, "any-shape") for policy in any_shape] + [(policy, "fused") for policy in fused]
 
 
 def retrofitted(policy, budget=BUDGET, seed=0):
@@ -92,7 +101,7 @@ def path(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy,path", cases(POLICIES, FUSED_POLICIES), indirect=["path"])
 def test_every_chunk_size_equals_the_masked_forward(policy, path):
     model = retrofitted(policy)
     ids = torch.randint(1, 97, (2, SIZE), generator=torch.Generator().manual_seed(2))
@@ -106,21 +115,21 @@ def test_every_chunk_size_equals_the_masked_forward(policy, path):
 
 @pytest.mark.parametrize("budget", [Budget(0, 5, 7), Budget(2, 4, 0), Budget(1, 64, 3), Budget(2, 3, 1),
                                     Budget(0, 1, 0)], ids=str)
-@pytest.mark.parametrize("policy", ["kvpop:mlstm", "oracle+ties"])
+@pytest.mark.parametrize("policy,path", cases(["kvpop:mlstm", "oracle+ties"], ["oracle+ties"]), indirect=["path"])
 def test_edge_budgets(policy, budget, path):
     """No sinks, no long-range slots (k = 0), a window longer than the sequence (w >= S), one long-range slot, a
-    budget of one token."""
+    budget of one token. The fused path at one chunk size (chunks shorter than the window: the test above)."""
     model = retrofitted(policy, budget)
     ids = torch.randint(1, 97, (2, SIZE), generator=torch.Generator().manual_seed(3))
     with kvpop.oracle_priorities(model, oracle_targets(model, 2, ties=True)):
         want, prios = one_pass(model, ids)
-        for chunk in (3, 7, SIZE):
+        for chunk in (3, 7, SIZE) if path == "any-shape" else (7,):
             got, cache = chunked_logits(model, ids, chunk)
             assert (got - want).abs().max() <= 1e-4, chunk
             assert_holds_retained_set(model, cache, prios)
 
 
-@pytest.mark.parametrize("policy", ["kvpop:mlstm", "streaming"])
+@pytest.mark.parametrize("policy,path", cases(["kvpop:mlstm", "streaming"], ["streaming"]), indirect=["path"])
 def test_left_padding(policy, path):
     """Padding longer than the first chunks (a row's first token several chunks in), through fixed-size chunks."""
     model = retrofitted(policy)
