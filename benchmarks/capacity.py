@@ -26,6 +26,10 @@ figure.
   step is captured; on running out of memory the batch backs off by 10 %. Then ``--fractions`` of it are timed too.
 * **Byte floor** of a step: weights + the state it reads (dense K/V; KVpop K/V + metadata + scorer state) ÷ the
   device copy bandwidth measured in the same run.
+* **Time limit** (``--time-limit``): each model gets its share (time an earlier model leaves goes to the next), its
+  prefill table ``prefill_share`` of that and decoding the rest; past it no new configuration starts (a row says
+  ``skipped``). The prefill table runs what the issue's targets read first: one row at every context, then the
+  batches of rows, then the chunk-size sweep.
 
     python benchmarks/capacity.py --preset quick --out /tmp/capacity_quick.json   # ~5 min on an H100 / H200
     python benchmarks/capacity.py --preset h200 --out /tmp/capacity_h200.json     # every figure, ~15 GPU minutes
@@ -63,7 +67,7 @@ SHAPES = {  # (architecture, config): the published models' shapes, random weigh
 GPU = dict(models=["qwen3-0.6b", "smollm2-135m"], contexts=[8192, 32768, 131072], budgets=[2048, 1024], sink=4,
            window=256, dtype="bfloat16", prefill_chunk=4096, prefill_chunks=[1024, 2048, 4096, 8192],
            sweep_context=32768, prefill_batch_tokens=262144, compile_prefill=True, margin_gib=4.0, memory_gib=None,
-           max_batch=1 << 16)
+           max_batch=1 << 16, prefill_share=0.6)
 PRESETS = {
     # every figure: prefill, then decoding at every context, the largest batch and fractions of it
     "h200": dict(GPU, decode_contexts=[131072, 32768, 8192], steps=20, fractions=[1.0, 0.5, 0.25],
@@ -75,7 +79,7 @@ PRESETS = {
                      dtype="float32", prefill_chunk=32, prefill_chunks=[16, 32, 64], sweep_context=256,
                      prefill_batch_tokens=512, compile_prefill=False, decode_contexts=[256], steps=2,
                      fractions=[1.0, 0.5], compile_decode="off", margin_gib=0.0, memory_gib=0.004, max_batch=8,
-                     time_limit=600.0),
+                     time_limit=600.0, prefill_share=0.6),
 }
 DENSE_ATTENTION = "kvpop_capacity_dense"
 
@@ -390,16 +394,20 @@ def prefill_rows(context: int, args) -> list[int]:
 
 
 def prefill_plan(args, policies) -> list[tuple]:
-    """``(context, rows, policy, budget, chunk)``: at every context and row count dense, then every budget at
-    ``prefill_chunk``; at ``sweep_context`` with one row, every chunk of ``prefill_chunks`` too."""
-    plan = []
-    for context in args["contexts"]:
-        for rows in prefill_rows(context, args):
-            plan += [(context, rows, "dense", None, None)] if "dense" in policies else []
-            sweep = context == args["sweep_context"] and rows == 1
-            chunks = sorted(set(args["prefill_chunks"]) | {args["prefill_chunk"]}) if sweep else [args["prefill_chunk"]]
-            plan += [(context, rows, "kvpop", budget, chunk) for budget in args["budgets"] for chunk in chunks
-                     if "kvpop" in policies]
+    """``(context, rows, policy, budget, chunk)``, what issue 44's targets read first (a run that hits its time limit
+    loses the rest): one row at every context, dense then every budget at ``prefill_chunk``; then the batches of
+    rows, likewise; then the other chunks of ``prefill_chunks`` at ``sweep_context`` with one row."""
+    def group(context, rows, chunks, with_dense=True):
+        dense = [(context, rows, "dense", None, None)] if with_dense and "dense" in policies else []
+        return dense + [(context, rows, "kvpop", budget, chunk) for budget in args["budgets"] for chunk in chunks
+                        if "kvpop" in policies]
+
+    plan = [row for context in args["contexts"] for row in group(context, 1, [args["prefill_chunk"]])]
+    plan += [row for context in args["contexts"] for rows in prefill_rows(context, args)[1:]
+             for row in group(context, rows, [args["prefill_chunk"]])]
+    if args["sweep_context"] in args["contexts"]:  # dense at that context is already timed (x_dense refers to it)
+        others = sorted(set(args["prefill_chunks"]) - {args["prefill_chunk"]})
+        plan += group(args["sweep_context"], 1, others, with_dense=False) if others else []
     return plan
 
 
@@ -422,7 +430,7 @@ def time_prefill(model, policy, ids, chunk, device, short: float = 0.5, repeats:
     return sorted(times)[len(times) // 2], peak
 
 
-def prefill_table(model, name, args, policies, device, result, out, started) -> None:
+def prefill_table(model, name, args, policies, device, result, out, deadline) -> None:
     """Every configuration of :func:`prefill_plan`: warmed up on a prompt of two chunks (its compiled shapes), then
     timed; KVpop's rows carry their tokens/s as a multiple of dense's at the same context and rows (``x_dense``)."""
     dense_speed = {}
@@ -430,7 +438,7 @@ def prefill_table(model, name, args, policies, device, result, out, started) -> 
         label = "dense" if policy == "dense" else f"kvpop-B{budget}"
         head = {"model": name, "policy": label, "context": context, "rows": rows, "chunk": chunk,
                 "compiled": policy != "dense" and device.type == "cuda" and args["compile_prefill"]}
-        if time.perf_counter() - started > args["time_limit"]:
+        if time.perf_counter() > deadline:
             _emit(result, out, {**head, "skipped": "time limit"}, "prefill")
             continue
         set_policy(model, args, policy, budget)
@@ -483,7 +491,7 @@ def profile_prefill(model, name, args, device, path: Path) -> None:
     print(f"# profile of {name}'s prefill appended to {path}", flush=True)
 
 
-def run_config(model, name, policy, context, budget, args, device, bandwidth, result, started, out):
+def run_config(model, name, policy, context, budget, args, device, bandwidth, result, deadline, out):
     """Prefill, the largest batch, then the fractions of it; rows appended to ``result`` as they come. A failure
     is recorded as a row and the run goes on (an unattended GPU session should not lose the other figures)."""
     config = Config(model, name, policy, context, budget, args, device, bandwidth)
@@ -506,7 +514,7 @@ def run_config(model, name, policy, context, budget, args, device, bandwidth, re
                 runtime.compile_decode = False
         for fraction in args["fractions"][1:]:
             smaller = max(1, int(batch * fraction))
-            if smaller == batch or time.perf_counter() - started > args["time_limit"]:
+            if smaller == batch or time.perf_counter() > deadline:
                 continue
             stage = f"batch {smaller}"
             _emit(result, out, config.row(**config.decode(smaller)))
@@ -553,7 +561,9 @@ def main(argv=None):
     parser.add_argument("--margin-gib", type=float, help="device memory kept back when sizing the batch")
     parser.add_argument("--memory-gib", type=float, help="size batches for this much memory instead of the free")
     parser.add_argument("--max-batch", type=int)
-    parser.add_argument("--time-limit", type=float, help="start no new configuration after this many seconds")
+    parser.add_argument("--time-limit", type=float,
+                        help="start no new configuration after this many seconds (each model its share, the prefill "
+                             "table `prefill_share` of it)")
     parser.add_argument("--no-kernel-count", action="store_true", help="skip profiling one step per batch")
     parser.add_argument("--render", metavar="RESULT.json", help="print the tables of a result file and exit")
     ledger.add_publish_arguments(parser)
@@ -602,7 +612,7 @@ def run(args, ns, device):
     if profile is not None:
         profile.unlink(missing_ok=True)
     max_len = max(args["contexts"] + args["decode_contexts"]) + 1024
-    for name in args["models"]:
+    for index, name in enumerate(args["models"]):
         model = build_model(name, dtype, device, max_len)
         result["models"][name] = {**SHAPES[name][1], "architecture": SHAPES[name][0],
                                   "weights_gib": _gib(weight_bytes(model))}
@@ -610,22 +620,26 @@ def run(args, ns, device):
                                            args["window"]), scorer="mlstm")
         model.kvpop_runtime.compile_prefill = args["compile_prefill"]
         model.kvpop_runtime.compile_decode = args["compile_decode"] == "on"
-        t0 = time.perf_counter()
-        prefill_table(model, name, args, ns.policies, device, result, out, started)
-        print(f"# {name} prefill: {time.perf_counter() - t0:.1f} s", flush=True)
-        if profile is not None and "kvpop" in ns.policies:
-            profile_prefill(model, name, args, device, profile)
         plan = [(context, policy, budget) for context in args["decode_contexts"]
                 for policy, budget in ([("dense", None)] if "dense" in ns.policies else [])
                 + ([("kvpop", b) for b in args["budgets"]] if "kvpop" in ns.policies else [])]
+        # each model its share of the time limit (what an earlier one leaves goes to the next), the prefill table
+        # `prefill_share` of it and decoding the rest: slow compiles must not cost a whole model or the decode table
+        t0 = time.perf_counter()
+        deadline = started + args["time_limit"] * (index + 1) / len(args["models"])
+        share = args["prefill_share"] if plan else 1.0
+        prefill_table(model, name, args, ns.policies, device, result, out, t0 + share * (deadline - t0))
+        print(f"# {name} prefill: {time.perf_counter() - t0:.1f} s", flush=True)
+        if profile is not None and "kvpop" in ns.policies:
+            profile_prefill(model, name, args, device, profile)
         for context, policy, budget in plan:
             label = "dense" if policy == "dense" else f"kvpop-B{budget}"
-            if time.perf_counter() - started > args["time_limit"]:
+            if time.perf_counter() > deadline:
                 _emit(result, out, {"model": name, "policy": label, "context": context, "skipped": "time limit"})
                 continue
             set_policy(model, args, policy, budget)
             t0 = time.perf_counter()
-            run_config(model, name, label, context, budget, args, device, bandwidth, result, started, out)
+            run_config(model, name, label, context, budget, args, device, bandwidth, result, deadline, out)
             print(f"# {name} {label} {context}: {time.perf_counter() - t0:.1f} s", flush=True)
         del model
         _oom_cleanup(device)
@@ -669,7 +683,9 @@ def table(result) -> str:
               "the first run, compiling its shapes, not in the timing)", "",
               "| model | policy | context | rows | chunk | seconds | tokens/s | × dense | peak GiB (above weights) | "
               "warm-up s |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result.get("prefill", []):
+    order = {name: i for i, name in enumerate(result["models"])}  # as run: the targets first; read: per context
+    for r in sorted(result.get("prefill", []), key=lambda r: (order.get(r["model"], 0), r["context"], r["rows"],
+                                                              r["policy"] != "dense", r["policy"], r["chunk"] or 0)):
         head = f"| {r['model']} | {r['policy']} | {r['context']} | {r['rows']} | {_fmt(r['chunk'], 'd')} |"
         if "skipped" in r or "error" in r:
             lines.append(f"{head} {r.get('skipped', r.get('error'))} | | | | |")
