@@ -14,6 +14,12 @@ prefix comes from a wavelet-matrix descent (one pass per bit of the rank, each O
 
 Anchor slots (two top-k pools over the same eligible tokens, each on its own static priority) keep the property:
 each pool's ``e`` is the rule above, and a token leaves the union when it has left both, ``max`` of the two.
+
+Per-head budgets (METHOD §7): sink and window are shared, ``topk`` may differ row by row (``topk=`` a long tensor
+broadcastable to the leading dims, e.g. ``[Hkv]`` for priorities ``[B, Hkv, S]``). Each row is the rule above at its
+own ``k``; the wavelet descent takes a ``k`` per row, so rows of any budgets are still one vectorised pass. A row at
+``k = 0`` (the floor: sinks and window only) evicts a token as it leaves the window; a row whose ``k`` covers every
+eligible token evicts nothing.
 """
 from __future__ import annotations
 
@@ -44,22 +50,51 @@ def ranks_newer_wins(priority: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return rank, order
 
 
-def prefix_kth_largest(rank: torch.Tensor, k: int) -> torch.Tensor:
+def row_topk(topk, lead: torch.Size, device) -> torch.Tensor | None:
+    """``topk`` (``None``, an int, or a long tensor broadcastable to ``lead``) as one long per row ``[*lead]``;
+    ``None`` stays ``None`` (the budget's own). Negative or non-integer values are a one-line ``ValueError``."""
+    if topk is None:
+        return None
+    if isinstance(topk, bool) or not (isinstance(topk, int) or (torch.is_tensor(topk) and not topk.is_floating_point()
+                                                                and not topk.is_complex())):
+        raise ValueError(f"topk must be an int or an integer tensor (one per row), got {type(topk).__name__}")
+    k = torch.as_tensor(topk, dtype=torch.long, device=device)
+    if (k < 0).any():
+        raise ValueError(f"topk must be >= 0 in every row, got a minimum of {int(k.min())}")
+    try:
+        return k.expand(lead)
+    except RuntimeError:
+        raise ValueError(f"topk of shape {tuple(k.shape)} does not broadcast to the rows {tuple(lead)}") from None
+
+
+def prefix_kth_largest(rank: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """``theta[..., j]`` = the ``k``-th largest of ``rank[..., :j+1]`` (``-1`` while fewer than ``k`` exist).
 
-    ``rank`` is a permutation of ``0 … n-1`` on its last dim. Wavelet-matrix descent: for every prefix at once,
-    walk the bits of the answer from the top, keeping the prefix's interval in the stably bit-partitioned array.
-    Time O(n log n), memory O(n) per row; never an n×n tensor.
+    ``rank`` is a permutation of ``0 … n-1`` on its last dim. ``k``: an int, or a long tensor broadcastable to the
+    leading dims (each row its own ``k``). Wavelet-matrix descent: for every prefix at once, walk the bits of the
+    answer from the top, keeping the prefix's interval in the stably bit-partitioned array. Time O(n log n), memory
+    O(n) per row; never an n×n tensor. An int ``k`` is checked on the host: no step waits on the device (a fused
+    prefill chunk); a ``k`` per row is checked on the device's values (per-head budgets, masks).
     """
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    if isinstance(k, int) and not isinstance(k, bool):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        k_rows = k
+    else:
+        k_rows = row_topk(k, rank.shape[:-1], rank.device)
+        if k_rows.numel() and int(k_rows.min()) < 1:
+            raise ValueError(f"k must be >= 1, got {int(k_rows.min())}")
     lead, n = rank.shape[:-1], rank.shape[-1]
     arr = rank.reshape(-1, n)
     rows, device = arr.shape[0], arr.device
     prefix_len = torch.arange(1, n + 1, device=device).expand(rows, n)
     lo = torch.zeros(rows, n, dtype=torch.long, device=device)
     hi = prefix_len.clone()
-    remaining = torch.full((rows, n), k, dtype=torch.long, device=device)
+    if isinstance(k_rows, int):
+        remaining = torch.full((rows, n), k_rows, dtype=torch.long, device=device)
+    else:
+        k_rows = k_rows.reshape(rows, 1)
+        remaining = k_rows.expand(rows, n).clone()
     answer = torch.zeros(rows, n, dtype=torch.long, device=device)
     zero_col = torch.zeros(rows, 1, dtype=torch.long, device=device)
     for bit in reversed(range(max(1, (n - 1).bit_length()))):
@@ -77,12 +112,12 @@ def prefix_kth_largest(rank: torch.Tensor, k: int) -> torch.Tensor:
         position = torch.arange(n, device=device).expand(rows, n)
         target = torch.where(bits.bool(), zeros_total + ones_before[:, :-1], position - ones_before[:, :-1])
         arr = torch.empty_like(arr).scatter_(-1, target, arr)
-    answer = torch.where(prefix_len >= k, answer, torch.full_like(answer, -1))
+    answer = torch.where(prefix_len >= k_rows, answer, torch.full_like(answer, -1))
     return answer.reshape(*lead, n)
 
 
-def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.Tensor | None = None, *,
-                       check: bool = True) -> torch.Tensor:
+def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.Tensor | None = None,
+                       topk: torch.Tensor | None = None, *, check: bool = True) -> torch.Tensor:
     """``e[..., t]``: the first query position at which token ``t`` is no longer retained, ``S`` if never.
 
     ``priority`` is float ``[..., S]`` (any leading dims); sinks and tokens whose eviction would fall at or past
@@ -95,13 +130,17 @@ def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.
     token still retained at the first query of interest (evicted tokens never return, so the rest cannot matter).
     Then ``e`` is in positions and "never" is ``positions.max() + 1``.
 
-    No step waits on the device (a fused prefill chunk runs it inside ``torch.compile`` / a CUDA stream without a
-    host round trip); ``check=False`` also skips the input check, whose NaN test is one such wait.
+    ``topk`` (optional, a long tensor broadcastable to the leading dims): each row's own long-range slots in place of
+    ``budget.topk`` (per-head budgets, METHOD §7); ``budget`` then gives the shared sink and window.
+
+    Without ``topk``, no step waits on the device (a fused prefill chunk runs it inside ``torch.compile`` / a CUDA
+    stream without a host round trip); ``check=False`` also skips the input check, whose NaN test is one such wait.
     """
     if check:
         _check_priority(priority)
     size = priority.shape[-1]
     s, w, k = budget.sink, budget.window, budget.topk
+    k_rows = row_topk(topk, priority.shape[:-1], priority.device)
     if positions is None:
         pos = torch.arange(size, device=priority.device).expand(priority.shape)
         never = size
@@ -109,15 +148,18 @@ def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.
         pos = positions.to(device=priority.device, dtype=torch.long).expand(priority.shape)
         never = pos.amax() + 1  # a 0-dim tensor: reading it on the host would wait for the device
     competes = pos >= s
-    if k == 0:
+    if (k == 0) if k_rows is None else not bool((k_rows > 0).any()):
         leave = pos + w  # nothing to keep: evicted as soon as it leaves the window
     else:
         # non-competitors sit before every competitor and get -inf, so they take the lowest ranks and never evict one
         rank, _ = ranks_newer_wins(torch.where(competes, priority, float("-inf")))
-        theta = prefix_kth_largest(rank, k)  # theta[..., j]: k-th best rank once entries 0..j are eligible
+        # theta[..., j]: k-th best rank once entries 0..j are eligible (a row at k = 0 is overridden below)
+        theta = prefix_kth_largest(rank, k if k_rows is None else k_rows.clamp(min=1))
         first_beaten = torch.searchsorted(theta.contiguous(), rank.contiguous(), right=True)
         index = torch.maximum(first_beaten, torch.arange(size, device=priority.device))  # not before it is eligible
         leave = torch.where(index < size, pos.gather(-1, index.clamp(max=size - 1)) + w, never)
+        if k_rows is not None:
+            leave = torch.where(k_rows[..., None] > 0, leave, pos + w)
     return torch.where(competes, torch.minimum(leave, torch.as_tensor(never, device=leave.device)), never)
 
 
@@ -135,13 +177,21 @@ def visible_from_eviction(eviction: torch.Tensor, budget: Budget) -> torch.Tenso
     return retained(pos[:, None], pos[None, :], eviction[..., None, :], budget)
 
 
-def visible(priority: torch.Tensor, budget: Budget) -> torch.Tensor:
+def visible(priority: torch.Tensor, budget: Budget, topk: torch.Tensor | None = None) -> torch.Tensor:
     """Dense reference ``[..., S, S]`` (query ``d``, key ``t``): the rule applied directly at every query.
 
     Independent of :func:`eviction_positions` (a per-query top-k over the eligible prefix), O(S² log S):
-    for tests and small S only.
+    for tests and small S only. ``topk`` as in :func:`eviction_positions`: each row is then the rule at its own
+    budget, row by row.
     """
     _check_priority(priority)
+    k_rows = row_topk(topk, priority.shape[:-1], priority.device)
+    if k_rows is not None:
+        rows = priority.reshape(-1, priority.shape[-1])
+        size = priority.shape[-1]
+        masks = [visible(row, Budget(budget.sink, budget.window, int(k))) for row, k in zip(rows, k_rows.reshape(-1))]
+        return torch.stack(masks).reshape(*priority.shape, size) if masks else \
+            torch.zeros(*priority.shape, size, dtype=torch.bool, device=priority.device)
     size = priority.shape[-1]
     s, w, k = budget.sink, budget.window, budget.topk
     pos = torch.arange(size, device=priority.device)
@@ -211,7 +261,7 @@ def kept_counts(eviction: torch.Tensor, budget: Budget) -> torch.Tensor:
     return retained(last, pos, eviction, budget).sum(-1)
 
 
-def soft_cutoffs(ranked: torch.Tensor, budget: Budget) -> torch.Tensor:
+def soft_cutoffs(ranked: torch.Tensor, budget: Budget, topk: torch.Tensor | None = None) -> torch.Tensor:
     """``c[..., d]``: the threshold between the kept and the evicted long-range tokens at query ``d`` — the midpoint
     of the ``topk``-th and ``(topk + 1)``-th largest ranked priority among the eligible ``[sink, d - window]`` — or
     ``-inf`` where at most ``topk`` are eligible (no eviction yet). ``ranked`` float ``[..., S]``, positions
@@ -220,24 +270,30 @@ def soft_cutoffs(ranked: torch.Tensor, budget: Budget) -> torch.Tensor:
     Kept tokens lie above ``c[d]``, evicted ones below (ties at the cutoff sit on it), so ``sigmoid((p[t] - c[d]) /
     tau)`` is a relaxed retention that tends to the hard rule as ``tau -> 0`` (METHOD §3, KL through the mask). Same
     order statistics as :func:`eviction_positions` (``ranks_newer_wins`` + :func:`prefix_kth_largest`), O(S log S);
-    ``topk = 0`` evicts every eligible token: ``+inf`` where any is eligible.
+    ``topk = 0`` evicts every eligible token: ``+inf`` where any is eligible. ``topk=`` (per-row long-range slots,
+    as in :func:`eviction_positions`) gives each row its own cutoff.
     """
     _check_priority(ranked)
     size, device = ranked.shape[-1], ranked.device
-    s, w, k = budget.sink, budget.window, budget.topk
+    s, w = budget.sink, budget.window
+    k_rows = row_topk(topk, ranked.shape[:-1], device)
+    k = torch.full(ranked.shape[:-1], budget.topk, dtype=torch.long, device=device) if k_rows is None else k_rows
+    k = k[..., None]  # [..., 1]: one k per row
     pos = torch.arange(size, device=device)
     last = pos - w  # the newest eligible token of query d
     eligible = (last - s + 1).clamp(min=0)
-    if k == 0:
-        return torch.where(eligible > 0, float("inf"), float("-inf")).to(ranked.dtype).expand(ranked.shape).clone()
+    none_kept = torch.where(eligible > 0, float("inf"), float("-inf")).to(ranked.dtype).expand(ranked.shape)
+    if not bool((k > 0).any()):
+        return none_kept.clone()
     competes = pos >= s
     rank, order = ranks_newer_wins(torch.where(competes, ranked, float("-inf")))
     ascending = ranked.gather(-1, order)  # ranked priority by rank
     index = last.clamp(min=0).expand(ranked.shape)
-    kth = prefix_kth_largest(rank, k).gather(-1, index).clamp(min=0)
-    next_kth = prefix_kth_largest(rank, k + 1).gather(-1, index).clamp(min=0)
+    kth = prefix_kth_largest(rank, k[..., 0].clamp(min=1)).gather(-1, index).clamp(min=0)
+    next_kth = prefix_kth_largest(rank, k[..., 0].clamp(min=1) + 1).gather(-1, index).clamp(min=0)
     cut = (ascending.gather(-1, kth) + ascending.gather(-1, next_kth)) / 2
-    return torch.where(eligible > k, cut, torch.full_like(cut, float("-inf")))
+    cut = torch.where(eligible > k, cut, torch.full_like(cut, float("-inf")))
+    return torch.where(k > 0, cut, none_kept)
 
 
 def soft_retention_bias(ranked: torch.Tensor, cutoffs: torch.Tensor, budget: Budget, tau: float) -> torch.Tensor:

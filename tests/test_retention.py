@@ -260,3 +260,79 @@ def test_anchored_positions_subset_equals_full_sequence(seed):
     keep_idx = torch.tensor([t for t in range(start) if mask[start - 1, t]] + list(range(start, size)))
     sub = anchored_eviction_positions(ranked[keep_idx], anchor[keep_idx], budget, anchors, positions=keep_idx)
     assert torch.equal(sub, full[keep_idx].clamp(max=int(keep_idx.max()) + 1))
+
+
+# ---------------------------------------------------------------------------------------------- per-head budgets
+def head_cases(n, seed=0):
+    """Rows of one tensor at different topk (sink and window shared, METHOD §7): heads at the floor (k = 0), heads
+    holding every eligible token (k >= S), ties, S = 1 and window >= S."""
+    rng = random.Random(seed)
+    fixed = [(20, 1, 1, [0, 3, 25]), (1, 0, 1, [0, 1, 2]), (12, 2, 15, [0, 1, 4]), (30, 0, 2, [0, 0, 0]),
+             (30, 3, 4, [40, 40, 40])]
+    for i in range(n):
+        if i < len(fixed):
+            yield (*fixed[i], i % 2 == 0)
+            continue
+        size = rng.randint(2, 40)
+        yield size, rng.randint(0, 4), rng.randint(1, 10), [rng.choice([0, 1, rng.randint(0, 12), size])
+                                                             for _ in range(3)], i % 2 == 0
+
+
+@pytest.mark.parametrize("size,sink,window,topks,ties", list(head_cases(24)))
+def test_per_head_eviction_positions_match_brute_force(size, sink, window, topks, ties):
+    """Every row at its own topk, one vectorised pass, against the rule applied query by query per head."""
+    torch.manual_seed(size * 31 + sum(topks))
+    topk = torch.tensor(topks)
+    priority = torch.randint(0, 3, (2, len(topks), size)).float() if ties else torch.randn(2, len(topks), size)
+    shared = Budget(sink, window, 7)  # its topk must not matter: the rows' own do
+    e = eviction_positions(priority, shared, topk=topk)
+    dense = visible(priority, shared, topk=topk)
+    for b in range(2):
+        for h, k in enumerate(topks):
+            own = Budget(sink, window, k)
+            mask = brute_force_mask(priority[b, h].tolist(), own)
+            assert torch.equal(e[b, h], brute_force_eviction(mask)), (b, h, k)
+            assert torch.equal(dense[b, h], mask)
+            assert torch.equal(e[b, h], eviction_positions(priority[b, h], own))
+            assert int(visible_from_eviction(e[b, h], own)[-1].sum()) <= min(own.total, size)
+
+
+def test_per_head_floor_and_everything():
+    """k = 0: a token leaves as it leaves the window; k >= S: nothing is evicted."""
+    p = torch.randn(1, 2, 20)
+    e = eviction_positions(p, Budget(2, 3, 5), topk=torch.tensor([0, 20]))
+    assert torch.equal(e[0, 0, 2:], (torch.arange(2, 20) + 3).clamp(max=20))
+    assert (e[0, 1] == 20).all()
+
+
+def test_per_head_topk_with_positions_subset():
+    """A cache's candidates at per-head budgets give the eviction positions of the full rows."""
+    torch.manual_seed(3)
+    size, budget, topk = 30, Budget(2, 4, 0), torch.tensor([0, 3, 9])
+    priority = torch.randint(0, 4, (3, size)).float()
+    full = eviction_positions(priority, budget, topk=topk)
+    start = 17
+    for h in range(3):
+        mask = visible_from_eviction(full[h], budget)
+        keep_idx = torch.tensor([t for t in range(start) if mask[start - 1, t]] + list(range(start, size)))
+        sub = eviction_positions(priority[h][keep_idx], budget, positions=keep_idx, topk=topk[h])
+        assert torch.equal(sub, full[h][keep_idx].clamp(max=int(keep_idx.max()) + 1))
+
+
+def test_per_row_prefix_kth_largest_matches_sorting():
+    torch.manual_seed(2)
+    rank = torch.stack([torch.randperm(17) for _ in range(4)])
+    ks = torch.tensor([1, 5, 17, 30])
+    theta = prefix_kth_largest(rank, ks)
+    for row, k in enumerate(ks.tolist()):
+        assert torch.equal(theta[row], prefix_kth_largest(rank[row], k))
+
+
+def test_per_head_topk_refuses_bad_values():
+    p = torch.randn(2, 3, 10)
+    with pytest.raises(ValueError, match=">= 0"):
+        eviction_positions(p, Budget(0, 1, 1), topk=torch.tensor([1, -1, 2]))
+    with pytest.raises(ValueError, match="broadcast"):
+        eviction_positions(p, Budget(0, 1, 1), topk=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="integer"):
+        eviction_positions(p, Budget(0, 1, 1), topk=torch.tensor([1.0, 2.0, 3.0]))

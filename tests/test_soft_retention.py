@@ -284,3 +284,13 @@ def test_cuda_compiled_soft_attention_equals_the_chunked_one():
     grad, = torch.autograd.grad((out * weights).sum(), ranked)
     expected, = torch.autograd.grad((ref * weights).sum(), ranked)
     assert (grad - expected).abs().max() <= 0.05 * expected.abs().max()
+
+
+def test_soft_cutoffs_per_head_budgets():
+    """Per-row topk (METHOD §7): each row's cutoffs are those of its own uniform budget."""
+    torch.manual_seed(4)
+    ranked = torch.randint(0, 4, (2, 3, 24)).float()
+    budget, topk = Budget(2, 3, 5), torch.tensor([0, 4, 30])
+    cut = soft_cutoffs(ranked, budget, topk=topk)
+    for h, k in enumerate(topk.tolist()):
+        assert torch.equal(cut[:, h], soft_cutoffs(ranked[:, h], Budget(2, 3, k)))
