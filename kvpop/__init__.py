@@ -2,6 +2,7 @@
 from kvpop.budget import Budget
 from kvpop.cache import KVpopCache
 from kvpop import dms_cache  # noqa: F401  registers the DMS cache layer (kvpop.cache.LAYER_TYPES)
+from kvpop import headwise_cache  # noqa: F401  registers the per-head budgets' cache layer (likewise)
 from kvpop.decode import prefill, teacher_forced_logits
 from kvpop.parameters import trainable_parameters
 from kvpop.policies import POLICIES, build_policy

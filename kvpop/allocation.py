@@ -239,6 +239,23 @@ class Allocation:
         """The :class:`kvpop.budget.Budget` of one (layer, KV head): the shared sink and window, its own topk."""
         return Budget(self.sink, self.window, self.budgets[layer][head] - self.sink - self.window)
 
+    @property
+    def budget(self) -> Budget:
+        """The uniform budget of the same total memory: the shared sink and window, ``topk`` the heads' mean."""
+        return Budget(self.sink, self.window, self.mean_budget - self.sink - self.window)
+
+    def head_topk(self) -> tuple[tuple[int, ...], ...]:
+        """Long-range slots per (layer, KV head), as a policy carries them (``kvpop.policies.Policy.head_topk``)."""
+        floor = self.sink + self.window
+        return tuple(tuple(b - floor for b in layer) for layer in self.budgets)
+
+    def check_budget(self, budget: Budget) -> None:
+        """One :class:`AllocationError` line unless ``budget`` is this allocation's uniform budget (same sink, window
+        and mean total): an allocation redistributes one budget's slots, it cannot stand for another's."""
+        if budget != self.budget:
+            raise AllocationError(f"the allocation redistributes {self.budget} (mean B {self.mean_budget}), not "
+                                  f"{budget}: allocate at this budget, or run at the allocation's")
+
     def tensor(self) -> torch.Tensor:
         """Budgets as a long tensor ``[L, Hkv]``."""
         return torch.tensor(self.budgets, dtype=torch.long)

@@ -609,24 +609,36 @@ def sequence_attention(module, runtime, query, key, value, valid_cols, scale):
     ranked = policy.ranked(raw, positions[:, None, :])
     if runtime.collected is not None and evicting:
         runtime.collected[module.layer_idx] = ranked
+    topk = runtime.layer_topk(module.layer_idx, policy)  # per-head budgets (METHOD §7), else None
+    topk = None if topk is None else torch.tensor(topk, device=key.device)
     if runtime.soft_tau is not None and evicting and policy.budget.topk > 0 \
             and module.layer_idx not in runtime.streaming_layers:
         return _soft_sequence_attention(query, key, value, ranked, policy, runtime.soft_tau, runtime.soft_relative,
-                                        scale, q_pos, positions, valid)
-    evict = policy.evictions(raw, positions[:, None, :])
+                                        scale, q_pos, positions, valid, topk)
+    evict = policy.evictions(raw, positions[:, None, :], topk)
     return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None], kv_evict=evict,
-                               kv_valid=valid[:, None], budget=policy.budget, scale=scale, backend=backend)
+                               kv_valid=valid[:, None], budget=mask_budget(policy.budget, topk), scale=scale,
+                               backend=backend)
+
+
+def mask_budget(budget: Budget, topk: torch.Tensor | None) -> Budget:
+    """The budget a mask is built with: the masks read only its sink and window (the ranking is in the eviction
+    positions), and the compact backend bounds a block's gathered tokens by its total, so under per-head budgets
+    ``topk [Hkv]`` it is the layer's largest."""
+    return budget if topk is None else Budget(budget.sink, budget.window, int(topk.max()))
 
 
 def _soft_sequence_attention(query, key, value, ranked, policy, tau: float, relative: bool, scale: float, q_pos,
-                             positions, valid):
+                             positions, valid, topk=None):
     """The relaxed retention (:class:`SoftRetention`) of a static policy's ranked priorities, with the gradient into
-    them: training only (``kvpop.retrofit.soft_retention``), on unpadded whole sequences, one top-k pool."""
+    them: training only (``kvpop.retrofit.soft_retention``), on unpadded whole sequences, one top-k pool (per head
+    with ``topk [Hkv]``: each head's cutoff at its own budget)."""
     from kvpop.retention import soft_cutoffs
 
     policy.require_one_pool("soft retention")
     ranked = ranked.float()
-    soft = SoftRetention(ranked, soft_cutoffs(ranked.detach(), policy.budget), soft_temperature(ranked, tau, relative))
+    soft = SoftRetention(ranked, soft_cutoffs(ranked.detach(), policy.budget, topk),
+                         soft_temperature(ranked, tau, relative))
     return retention_attention(query, key, value, q_pos=q_pos, kv_pos=positions[:, None],
                                kv_evict=torch.full_like(ranked, NEVER, dtype=torch.long), kv_valid=valid[:, None],
                                budget=policy.budget, scale=scale, soft=soft)

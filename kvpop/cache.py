@@ -605,6 +605,7 @@ def _compiled_static_step():
 # Cache layer types of policies whose cache is not the fixed B slots, by policy name. The module defining one
 # registers it (kvpop.dms_cache, imported by the package), so that this module never imports what builds on it.
 LAYER_TYPES: dict[str, type[KVpopLayer]] = {}
+HEADWISE = "headwise"  # the entry for a policy with per-head budgets, whatever its name (kvpop.headwise_cache)
 
 
 class KVpopCache(Cache):
@@ -624,7 +625,9 @@ class KVpopCache(Cache):
         layers = []
         for i in range(runtime.num_layers):
             own = runtime.layer_policy(i, policy)  # a local layer: a ring of its own window (kvpop.local_layers)
-            layer_class = LAYER_TYPES.get(own.name, KVpopLayer)
+            layer_class = LAYER_TYPES.get(HEADWISE if own.head_topk is not None else own.name, KVpopLayer)
+            if own.head_topk is not None and layer_class is KVpopLayer:
+                raise ValueError("per-head budgets need kvpop.headwise_cache (import kvpop) to register their layer")
             if own.ragged and layer_class is KVpopLayer:
                 raise ValueError(f"policy {own.name!r} keeps a ragged number of tokens per head, and no cache layer "
                                  f"type is registered for it in kvpop.cache.LAYER_TYPES")
@@ -660,7 +663,7 @@ class KVpopCache(Cache):
             clone = copy.copy(layer)
             clone.meter = other.meter
             if clone.is_initialized:
-                clone.meter.hold(clone.keys.nbytes + clone.values.nbytes)  # released again by the re-indexing
+                clone.meter.hold(clone.nbytes()["kv"])  # released again by the re-indexing
             clone.batch_repeat_interleave(repeats)
             other.layers.append(clone)
         return other
@@ -677,5 +680,6 @@ class KVpopCache(Cache):
 
 def kv_slots(runtime, policy: Policy | None = None) -> int:
     """Slots per (row, KV head) over all layers once every slot is filled: ``B`` per global layer plus ``W`` per local
-    layer (METHOD §5); K/V bytes = slots × Hkv × head_dim × 2 × dtype size × batch."""
+    layer (METHOD §5); K/V bytes = slots × Hkv × head_dim × 2 × dtype size × batch. Under per-head budgets ``B`` is
+    their mean, which they sum to exactly (METHOD §7), so the bytes are exact there too."""
     return sum(runtime.layer_policy(i, policy).budget.total for i in range(runtime.num_layers))

@@ -127,7 +127,10 @@ class GraphedDecoder:
         self.graph = None
 
     def _tensors(self):
-        for layer in self.cache.layers:
+        layers = list(self.cache.layers)
+        while layers:
+            layer = layers.pop(0)
+            layers[:0] = [part for _, _, part in getattr(layer, "parts", ())]  # per-head budgets (headwise_cache)
             for name in layer._batch_tensors():
                 if getattr(layer, name, None) is not None:
                     yield getattr(layer, name)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpop.budget import Budget
-from kvpop.retention import prefix_kth_largest, ranks_newer_wins
+from kvpop.retention import prefix_kth_largest, ranks_newer_wins, row_topk
 
 
 @dataclass
@@ -26,22 +26,29 @@ class BoundaryDecisions:
     valid: torch.Tensor  # [..., n] bool
 
 
-def boundary_decisions(teacher: torch.Tensor, budget: Budget) -> BoundaryDecisions:
-    """Teacher cutoffs for every position in O(S log S) per row (order statistics over prefixes, not sorting)."""
+def boundary_decisions(teacher: torch.Tensor, budget: Budget, topk: torch.Tensor | None = None) -> BoundaryDecisions:
+    """Teacher cutoffs for every position in O(S log S) per row (order statistics over prefixes, not sorting).
+
+    ``topk`` (a long tensor broadcastable to the leading dims, e.g. ``[L, 1, Hkv]`` for ``[L, B, Hkv, S]``): each
+    row's own long-range slots (per-head budgets, METHOD §7), so each head is trained at its own cutoff; a row at
+    ``topk = 0`` makes no decision."""
     size = teacher.shape[-1]
     s, w, k = budget.sink, budget.window, budget.topk
     n = max(size - s, 0)
     device = teacher.device
     t_new = torch.arange(s, s + n, device=device)
     lead = teacher.shape[:-1]
-    if n == 0 or k == 0:
+    k_rows = row_topk(topk, lead, device)
+    if n == 0 or (k == 0 if k_rows is None else not bool((k_rows > 0).any())):
         empty = torch.zeros(*lead, n, dtype=torch.bool, device=device)
         return BoundaryDecisions(t_new, torch.zeros(*lead, n, dtype=torch.long, device=device), empty, empty)
     rank, order = ranks_newer_wins(teacher[..., s:])
-    theta = prefix_kth_largest(rank, k)  # theta[j]: k-th best rank in [s, s + j]
+    theta = prefix_kth_largest(rank, k if k_rows is None else k_rows.clamp(min=1))  # k-th best rank in [s, s + j]
     # the cutoff for t_new = s + j is the k-th best of [s, t_new - 1], i.e. theta[j - 1]
     cutoff_rank = torch.cat([torch.full_like(theta[..., :1], -1), theta[..., :-1]], dim=-1)
     valid = (cutoff_rank >= 0) & (t_new + w <= size - 1)
+    if k_rows is not None:
+        valid = valid & (k_rows[..., None] > 0)
     t_bnd = s + order.gather(-1, cutoff_rank.clamp(min=0))
     keep = rank > cutoff_rank
     return BoundaryDecisions(t_new, t_bnd, keep & valid, valid)
@@ -56,6 +63,7 @@ def boundary_loss(
     weight: torch.Tensor | str | None = None,
     decisions: BoundaryDecisions | None = None,
     balance: bool = False,
+    topk: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean over valid positions of ``ω · softplus(-z · (p[t_new] - p[t_bnd]) / τ)``.
 
@@ -67,13 +75,13 @@ def boundary_loss(
     no NaN) when no position is valid. ``decisions`` may be passed to reuse the teacher cutoffs (they depend only on
     the teacher). ``balance`` multiplies ω by per-row class weights ``n / (2 n_keep)`` and ``n / (2 n_evict)``: the
     teacher keeps ``t_new`` only ~15-25 % of the time, so the plain mean is dominated by "evict" decisions (rows
-    with one class only keep weight 1).
+    with one class only keep weight 1). ``topk``: per-row long-range slots (:func:`boundary_decisions`).
     """
     if student.shape != teacher.shape:
         raise ValueError(f"student {tuple(student.shape)} and teacher {tuple(teacher.shape)} priorities differ in shape")
     if tau <= 0:
         raise ValueError(f"tau must be > 0, got {tau}")
-    dec = decisions if decisions is not None else boundary_decisions(teacher.detach(), budget)
+    dec = decisions if decisions is not None else boundary_decisions(teacher.detach(), budget, topk)
     if not dec.valid.any():
         return student.sum() * 0.0
     margin = boundary_margins(student, dec)
@@ -172,14 +180,21 @@ def retention_budgets(budget: Budget, topks=()) -> list[Budget]:
 def retention_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budget, *, tau: float = 1.0,
                    weight: str | None = None, balance: bool = False, topks=(), random_pairs: int = 0,
                    generator: torch.Generator | None = None,
-                   decisions: BoundaryDecisions | None = None) -> torch.Tensor:
+                   decisions: BoundaryDecisions | None = None,
+                   head_topk: torch.Tensor | None = None) -> torch.Tensor:
     """The retention objective with its options: :func:`boundary_loss` at ``budget`` and at every extra long-range
     size in ``topks`` (same sink and window: the cache is evaluated at several budgets, and each ``k`` has its own
     cutoff), averaged; plus, with ``random_pairs``, :func:`random_pair_loss` as one more equal part. ``decisions``:
-    the teacher's at ``budget``, where the caller has them already (the other budgets' are derived here)."""
+    the teacher's at ``budget``, where the caller has them already (the other budgets' are derived here).
+    ``head_topk``: per-head budgets (per-row long-range slots, :func:`boundary_decisions`) in place of
+    ``budget.topk``; extra ``topks`` are not defined beside them (one clear error)."""
+    if head_topk is not None and any(int(k) != budget.topk for k in topks):
+        raise ValueError("extra long-range sizes (topks) are uniform budgets: they are not defined beside per-head "
+                         "budgets; train an allocation without them")
     budgets = retention_budgets(budget, topks)
     parts = [boundary_loss(student, teacher, b, tau=tau, weight=weight, balance=balance,
-                           decisions=decisions if b == budget else None) for b in budgets]
+                           decisions=decisions if b == budget else None,
+                           topk=head_topk if b == budget else None) for b in budgets]
     if random_pairs:
         parts.append(random_pair_loss(student, teacher, budget, pairs=random_pairs, tau=tau, generator=generator))
     return torch.stack(parts).mean()

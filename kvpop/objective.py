@@ -34,11 +34,13 @@ from kvpop.retrofit import collect_priorities, runtime_of, soft_retention
 WEIGHTS = (None, "margin", "mass")
 
 
-def evicting(logits: torch.Tensor, budget: Budget) -> torch.Tensor:
+def evicting(logits: torch.Tensor, budget: Budget, head_topk=None) -> torch.Tensor:
     """``[B, S]``: the positions ``d >= B`` at which eviction has happened (before them every policy's mask is the
-    dense one, so the KL there teaches nothing about eviction)."""
+    dense one, so the KL there teaches nothing about eviction); under per-head budgets ``head_topk`` (a
+    ``[layers][kv_heads]`` grid) ``B`` is the smallest head's, where the first head evicts."""
     positions = torch.arange(logits.shape[1], device=logits.device)
-    return (positions >= budget.total).expand(logits.shape[0], -1)
+    first = budget.total if head_topk is None else budget.sink + budget.window + min(min(row) for row in head_topk)
+    return (positions >= first).expand(logits.shape[0], -1)
 
 
 def student_forward(model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +61,9 @@ class Objective:
     """``L = KL_topK + beta · L_ret`` for a budget and a recency term (METHOD §3); ``tau`` the pairwise temperature,
     ``weight`` ``None``, ``"margin"`` or ``"mass"`` (each term weighted by the teacher's ``|y[t_new] - y[t_bnd]|`` or
     ``|exp y[t_new] - exp y[t_bnd]|``: :func:`kvpop.losses.boundary_loss`); ``extra_topks`` more long-range sizes
-    whose boundary losses ``L_ret`` averages with ``budget``'s (``boundary_acc`` stays ``budget``'s)."""
+    whose boundary losses ``L_ret`` averages with ``budget``'s (``boundary_acc`` stays ``budget``'s). ``head_topk``
+    (per-head budgets, METHOD §7: long-range slots per (layer, KV head), the layers of the priorities' first dim):
+    each head's boundary loss at its own cutoff, ``budget`` their uniform mean."""
 
     budget: Budget
     recency: float = 0.0
@@ -67,6 +71,7 @@ class Objective:
     tau: float = 1.0
     weight: str | None = None
     extra_topks: tuple[int, ...] = ()
+    head_topk: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         if self.recency < 0 or self.beta < 0 or self.tau <= 0:
@@ -76,6 +81,9 @@ class Objective:
             raise ValueError(f"Objective.weight must be one of {WEIGHTS}, got {self.weight!r}")
         if not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1 for k in self.extra_topks):
             raise ValueError(f"Objective.extra_topks must be long-range sizes >= 1, got {self.extra_topks!r}")
+        if self.head_topk is not None and self.extra_topks:
+            raise ValueError("Objective: extra_topks are uniform budgets, not defined beside per-head budgets "
+                             "(head_topk); train an allocation without them")
 
     @classmethod
     def for_model(cls, model: nn.Module, **options) -> "Objective":
@@ -84,7 +92,7 @@ class Objective:
         if policy.budget is None:
             raise ValueError(f"the {policy.name} policy has no budget: retrofit with a budget to train")
         policy.require_one_pool("Objective.for_model")
-        return cls(policy.budget, policy.recency, **options)
+        return cls(policy.budget, policy.recency, **{"head_topk": policy.head_topk, **options})
 
     def __call__(self, student: torch.Tensor, teacher_targets: torch.Tensor, logits: torch.Tensor,
                  topk_values: torch.Tensor, topk_indices: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -92,15 +100,27 @@ class Objective:
         the teacher's ``topk_values``/``topk_indices [B, S, K]``; returns ``loss``, ``ret_loss``, ``kl`` and
         ``boundary_acc`` (scalar tensors; ``loss`` carries the gradient)."""
         ranking = self.ranking(student, teacher_targets)
-        kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting(logits, self.budget))
+        kl = topk_kl(logits, topk_values.float(), topk_indices.long(),
+                     mask=evicting(logits, self.budget, self.head_topk))
         return {"loss": kl + self.beta * ranking["ret_loss"], "kl": kl, **ranking}
+
+    def row_topk(self, priorities: torch.Tensor) -> torch.Tensor | None:
+        """``head_topk`` shaped for priorities ``[L, B, Hkv, S]`` (``[L, 1, Hkv]``), or ``None`` (uniform)."""
+        if self.head_topk is None:
+            return None
+        grid = torch.tensor(self.head_topk, dtype=torch.long, device=priorities.device)
+        if priorities.dim() != 4 or (priorities.shape[0], priorities.shape[2]) != tuple(grid.shape):
+            raise ValueError(f"per-head budgets for {tuple(grid.shape)} (layers, KV heads) but priorities "
+                             f"{tuple(priorities.shape)} (layers, batch, KV heads, S)")
+        return grid[:, None, :]
 
     def ranking(self, student: torch.Tensor, teacher_targets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The ranking terms alone (no logits): ``ret_loss`` (with the gradient) and ``boundary_acc``."""
         teacher = with_recency(teacher_targets.float(), self.recency)
-        decisions = boundary_decisions(teacher, self.budget)
+        topk = self.row_topk(teacher)
+        decisions = boundary_decisions(teacher, self.budget, topk)
         ret = retention_loss(student, teacher, self.budget, tau=self.tau, weight=self.weight, topks=self.extra_topks,
-                             decisions=decisions)
+                             decisions=decisions, head_topk=topk)
         with torch.no_grad():
             accuracy = boundary_agreement(student.detach(), decisions)
         return {"ret_loss": ret, "boundary_acc": accuracy}
@@ -152,11 +172,11 @@ class KLThroughMask:
     def __call__(self, model: nn.Module, input_ids: torch.Tensor, topk_values: torch.Tensor,
                  topk_indices: torch.Tensor) -> torch.Tensor:
         """The KL (a scalar with the gradient to the scorers) of one relaxed forward of ``input_ids``."""
-        budget = runtime_of(model).policy.budget
+        policy = runtime_of(model).policy
         with soft_retention(model, self.tau, self.relative, self.recency):
             logits = model(input_ids=input_ids, use_cache=False).logits
         return topk_kl(logits, topk_values[..., :self.top_k].float(), topk_indices[..., :self.top_k].long(),
-                       mask=evicting(logits, budget))
+                       mask=evicting(logits, policy.budget, policy.head_topk))
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvpop.allocation import ALLOCATION_FILE, Allocation, AllocationError, load_allocation, save_allocation
 from kvpop.attention import kvpop_attention_forward, passthrough_mask
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
@@ -85,6 +86,8 @@ class Runtime:
     # per layer, the base's own window (kvpop.local_layers.layer_windows): None = global, W = a local layer that keeps
     # exactly its sliding window of W tokens whatever the policy (no scorer, no budget)
     layer_windows: tuple = ()
+    # the allocation the policy's per-head budgets come from (METHOD §7), with its provenance: saved with the model
+    allocation: Allocation | None = None
 
     @property
     def evicting_layers(self) -> tuple[int, ...]:
@@ -92,6 +95,14 @@ class Runtime:
         if not self.layer_windows:
             return tuple(range(self.num_layers))
         return tuple(i for i, window in enumerate(self.layer_windows) if window is None)
+
+    def layer_topk(self, layer_idx: int, policy: Policy | None = None) -> tuple[int, ...] | None:
+        """Long-range slots per KV head of layer ``layer_idx`` under per-head budgets (METHOD §7; ``policy`` default
+        the model's), or ``None``: every head at the policy's ``budget.topk`` (and a local layer at its own window)."""
+        own = self.layer_policy(layer_idx, policy)
+        if own.head_topk is None:
+            return None
+        return own.layer_topk(self.evicting_layers.index(layer_idx))
 
     def layer_policy(self, layer_idx: int, policy: Policy | None = None) -> Policy:
         """The policy layer ``layer_idx`` runs: ``policy`` (default the model's) in a global layer; in a local one
@@ -141,23 +152,28 @@ def _shape(model: nn.Module) -> tuple[int, int, int, int]:
 
 def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlstm", policy: str | Policy = "kvpop",
              *, recency: float = 0.0, anchor_share: float = 0.0, anchor_recency: float = 0.0,
-             scorer_options: dict | None = None) -> nn.Module:
+             scorer_options: dict | None = None, allocation: Allocation | None = None) -> nn.Module:
     """Attach scorers and switch attention to KVpop, in place; returns the model.
 
     ``policy`` names one of :data:`kvpop.policies.POLICIES` (or is a Policy); ``scorer=None`` attaches none (for
-    baselines). The scorers are float32 and on the model's device; their inputs are detached.
+    baselines). The scorers are float32 and on the model's device; their inputs are detached. ``allocation``
+    (:class:`kvpop.allocation.Allocation`, METHOD §7): per-head budgets for a static policy; ``budget`` must then be
+    its uniform budget (or ``None``: the allocation's), and its shape the model's evicting layers × KV heads.
     """
     layers = attention_modules(model)
     num_layers, heads, kv_heads, head_dim = _shape(model)
     windows = layer_windows(model.config)  # refuses, in one line, an attention pattern it cannot read
+    if allocation is not None:
+        budget = _allocation_budget(allocation, budget)
     if budget is not None:
         context = getattr(model.config, "max_position_embeddings", None)
-        if context is not None and budget.total > context:
-            raise ValueError(f"budget {budget} holds {budget.total} tokens, more than the model's context of "
-                             f"{context}: lower topk (or window) so that sink + window + topk <= {context}")
-    pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, recency=recency,
-                                                                 anchor_share=anchor_share,
-                                                                 anchor_recency=anchor_recency)
+        largest = budget.total if allocation is None else allocation.peak_budget
+        if context is not None and largest > context:
+            raise ValueError(f"budget {budget} holds up to {largest} tokens per head, more than the model's context "
+                             f"of {context}: lower topk (or window) so that sink + window + topk <= {context}")
+    pol = policy if isinstance(policy, Policy) else build_policy(
+        policy, budget, recency=recency, anchor_share=anchor_share, anchor_recency=anchor_recency,
+        **({} if allocation is None else {"head_topk": allocation.head_topk()}))
     if pol.name == "kvpop" and scorer is None:
         raise ValueError("the kvpop policy needs a scorer: pass scorer='mlstm', 'mlp' or 'mlstm_immediate'")
     if getattr(model, "kvpop_runtime", None) is not None:
@@ -178,6 +194,7 @@ def retrofit(model: nn.Module, budget: Budget | None, scorer: str | None = "mlst
                 module.kvpop_scorer = build_scorer(scorer, kv_heads, head_dim, window, **options).to(device)
     base_impl = getattr(model.config, "_attn_implementation", None) or "sdpa"
     runtime = Runtime(pol, num_layers, heads, kv_heads, head_dim, base_impl, spec, layer_windows=windows)
+    runtime.allocation = _fitted_allocation(runtime, pol, allocation)
     for module in layers:
         module.kvpop_runtime = runtime  # a plain attribute: not a submodule, not in the state dict
     model.kvpop_runtime = runtime
@@ -221,24 +238,60 @@ def runtime_of(model: nn.Module) -> Runtime:
     return runtime
 
 
-def set_policy(model: nn.Module, policy: str | Policy, budget: Budget | None = None, **options) -> Policy:
+def set_policy(model: nn.Module, policy: str | Policy, budget: Budget | None = None, *,
+               allocation: Allocation | None = None, **options) -> Policy:
     """Switch the policy (and budget) of a retrofitted model, e.g. to evaluate baselines at the same budget.
 
     The recency term (METHOD §3) and the anchor slots (METHOD §1) are the model's: they carry over unless
-    ``recency=``, ``anchor_share=`` or ``anchor_recency=`` is given.
+    ``recency=``, ``anchor_share=`` or ``anchor_recency=`` is given. Per-head budgets never carry over: the policy
+    has them only with ``allocation=`` (METHOD §7; ``budget`` then its uniform budget, or ``None``).
     """
     runtime = runtime_of(model)
     if not isinstance(policy, Policy) and policy != "dense":
         for name in ("recency", "anchor_share", "anchor_recency"):
             options.setdefault(name, getattr(runtime.policy, name))
+    if allocation is not None:
+        if isinstance(policy, Policy):
+            raise ValueError("set_policy: pass allocation= with a policy name (a Policy object carries head_topk)")
+        budget = _allocation_budget(allocation, budget)
+        if options.get("anchor_share"):  # the model's anchor slots do not carry over into per-head budgets
+            raise AllocationError(f"anchor slots (anchor_share {options['anchor_share']}) are not defined under "
+                                  f"per-head budgets: pass anchor_share=0 with an allocation")
+        options["head_topk"] = allocation.head_topk()
     pol = policy if isinstance(policy, Policy) else build_policy(policy, budget, **options)
+    fitted = _fitted_allocation(runtime, pol, allocation)
     if pol.budget is not None and runtime.scorer_spec is not None and pol.name == "kvpop":
         window = scorer_window(model)
         if window is not None and pol.budget.window != window:
             raise ValueError(f"the scorers read priorities {window} tokens late (their window); a budget with window "
                              f"{pol.budget.window} needs scorers trained for it")
-    runtime.policy = pol
+    runtime.policy, runtime.allocation = pol, fitted
     return pol
+
+
+def _allocation_budget(allocation: Allocation, budget: Budget | None) -> Budget:
+    """The uniform budget a policy under ``allocation`` carries: ``budget`` once it is the allocation's own."""
+    if not isinstance(allocation, Allocation):
+        raise AllocationError(f"allocation must be a kvpop.allocation.Allocation, got {type(allocation).__name__}")
+    if budget is not None:
+        allocation.check_budget(budget)
+    return allocation.budget
+
+
+def _fitted_allocation(runtime: Runtime, policy: Policy, allocation: Allocation | None) -> Allocation | None:
+    """``allocation`` (or, for a Policy given with its own ``head_topk``, the runtime's if it is the same grid) once
+    the policy's per-head budgets fit the model: one row per evicting layer, one entry per KV head; else one
+    :class:`AllocationError` line. ``None`` for a uniform policy."""
+    grid = policy.head_topk
+    if grid is None:
+        return None
+    want = (len(runtime.evicting_layers), runtime.num_kv_heads)
+    if (len(grid), len(grid[0])) != want:
+        raise AllocationError(f"per-head budgets for {len(grid)} layers × {len(grid[0])} KV heads, this model has "
+                              f"{want[0]} evicting layers × {want[1]} KV heads: allocate for this model")
+    if allocation is None and runtime.allocation is not None and runtime.allocation.head_topk() == grid:
+        return runtime.allocation
+    return allocation
 
 
 def set_streaming_layers(model: nn.Module, layers) -> frozenset[int]:
@@ -362,6 +415,9 @@ def _describe(model: nn.Module) -> dict:
         "scorer_window": (scorer_window(model) or (budget and budget.window)) if runtime.scorer_spec else None,
         "streaming_layers": sorted(runtime.streaming_layers),
         "window_attention_prior": runtime.window_attention_prior,
+        # per-head budgets (METHOD §7): their allocation is saved beside, as kvpop_allocation.json
+        "allocation": None if pol.head_topk is None else {"file": ALLOCATION_FILE, "mode": runtime.allocation.mode,
+                                                           "mean_budget": runtime.allocation.mean_budget},
         "num_layers": runtime.num_layers,
         "num_kv_heads": runtime.num_kv_heads,
         "head_dim": runtime.head_dim,
@@ -383,14 +439,21 @@ def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None, *, base
     from safetensors.torch import save_file
 
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     runtime = runtime_of(model)
+    if runtime.policy.head_topk is not None and runtime.allocation is None:
+        raise AllocationError("the policy has per-head budgets but no allocation to save with them: set them with "
+                              "kvpop.set_policy(model, name, allocation=...)")
+    path.mkdir(parents=True, exist_ok=True)
     meta = _describe(model)
     if base is not None:
         base = Path(base).expanduser().resolve()
         meta.update(format_version=SCORER_ONLY_FORMAT_VERSION,
                     base={**model_identity(base, base_tensors_sha256),
                           "weights_sha256": base_sha256 or weights_digest(base)})
+        made_for = None if runtime.allocation is None else runtime.allocation.provenance["weights_sha256"]
+        if made_for is not None and made_for != meta["base"]["weights_sha256"]:
+            raise AllocationError(f"the allocation was made for another base model (weights {made_for[:12]}…, this "
+                                  f"base {meta['base']['weights_sha256'][:12]}…): allocate for this model")
     else:
         base_state = {k: v for k, v in model.state_dict().items() if ".kvpop_scorer." not in k}
         model.config._attn_implementation = runtime.base_attn_implementation  # loadable without KVpop
@@ -404,6 +467,8 @@ def save_retrofitted(model: nn.Module, path: str | Path, tokenizer=None, *, base
         weights = {f"layers.{m.layer_idx}.{k}": v.detach().cpu().contiguous() for m in scoring_modules(model)
                    for k, v in m.kvpop_scorer.state_dict().items()}
         save_file(weights, str(path / SCORERS_FILE))
+    if runtime.policy.head_topk is not None:
+        save_allocation(path, runtime.allocation)
     (path / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return path
 
@@ -502,8 +567,9 @@ def rewindow_scorer_folder(source: str | Path, target: str | Path, budget: Budge
         raise ValueError(f"{target} exists and is not an empty folder: choose a new one")
     target.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source / SCORERS_FILE, target / SCORERS_FILE)
+    # an allocation belongs to the budget it redistributes: the scorers at another budget run uniform
     meta = {**meta, "budget": {"sink": budget.sink, "window": budget.window, "topk": budget.topk},
-            "scorer_window": budget.window}
+            "scorer_window": budget.window, "allocation": None}
     (target / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return target
 
@@ -571,6 +637,11 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
     A scorer-only folder (saved with ``base=``) loads its base model from ``base`` (or, written before the base
     identity, from its recorded folder), after checking that folder's digest against the recorded one
     (``verify_base=False`` skips the check, which reads every weight file once).
+
+    A folder saved under per-head budgets loads its ``kvpop_allocation.json`` too, refused in one
+    :class:`kvpop.allocation.AllocationError` line if its shape is not the model's (evicting layers × KV heads), if
+    it was made for another base (a scorer-only folder's recorded weights), or if it does not redistribute the saved
+    budget.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -593,6 +664,12 @@ def load_retrofitted(path: str | Path, *, dtype: torch.dtype = torch.float32, de
         load_scorers(model, path)
         set_streaming_layers(model, meta.get("streaming_layers", ()))
         set_window_attention_prior(model, bool(meta.get("window_attention_prior", False)))
+    if meta.get("allocation"):
+        runtime = runtime_of(model)
+        recorded = meta.get("base") or {}
+        allocation = load_allocation(path, num_layers=len(runtime.evicting_layers),
+                                     num_kv_heads=runtime.num_kv_heads, weights_sha256=recorded.get("weights_sha256"))
+        set_policy(model, meta["policy"], budget, allocation=allocation)
     tokenizer = None
     for candidate in (path, folder):
         if (candidate / "tokenizer_config.json").is_file():

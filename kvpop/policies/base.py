@@ -3,6 +3,12 @@
 A *static* policy gives each token one priority, fixed when the token leaves the protected window, so the whole
 sequence can run in one masked forward and the fixed cache reproduces it exactly. A *dynamic* policy (TOVA, H2O)
 re-scores the cache from the attention it observes, so it runs step by step only.
+
+**Per-head budgets** (METHOD §7): a static policy may carry ``head_topk``, the long-range slots of every (evicting
+layer, KV head) in the order of the model's evicting layers (``Runtime.evicting_layers``), made from an allocation
+(:class:`kvpop.allocation.Allocation`). Its ``budget`` is then the uniform budget of the same mean — sink and window
+shared, ``topk`` the heads' mean — so that everything that reads only the sink, the window or the mean total is
+unchanged; what ranks (the mask's eviction positions, the cache, the losses) reads each head's own ``topk``.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from kvpop.budget import Budget
-from kvpop.retention import anchored_eviction_positions, with_recency
+from kvpop.retention import anchored_eviction_positions, eviction_positions, with_recency
 
 
 @dataclass(frozen=True)
@@ -33,6 +39,8 @@ class Policy:
     # anchor slots (METHOD §1): this share of the topk slots keeps the best by r[t] + anchor_recency * t instead
     anchor_share: float = 0.0
     anchor_recency: float = 0.0
+    # per-head budgets (module docstring): long-range slots per (evicting layer, KV head); None: budget.topk everywhere
+    head_topk: tuple[tuple[int, ...], ...] | None = None
 
     name: ClassVar[str] = "policy"
     dynamic: ClassVar[bool] = False
@@ -47,6 +55,31 @@ class Policy:
         if not 0 <= self.anchor_share <= 1:
             raise ValueError(f"{self.name}: anchor_share is a share of the topk slots, in [0, 1]; got "
                              f"{self.anchor_share}")
+        if self.head_topk is not None:
+            self._check_head_topk()
+
+    def _check_head_topk(self) -> None:
+        grid = self.head_topk
+        if self.budget is None or self.dynamic or self.ragged or self.name == "streaming":
+            raise ValueError(f"{self.name}: per-head budgets move the long-range slots of a static ranking policy "
+                             f"(kvpop, oracle, random, window_attention); {self.name} has none to move")
+        if self.anchor_share:
+            raise ValueError(f"{self.name}: anchor slots (anchor_share {self.anchor_share}) are not defined under "
+                             f"per-head budgets: set anchor_share 0 with an allocation")
+        if (not isinstance(grid, tuple) or not grid or not all(isinstance(row, tuple) and row for row in grid)
+                or len({len(row) for row in grid}) != 1
+                or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for row in grid for k in row)):
+            raise ValueError(f"{self.name}: head_topk must be a non-empty [layers][kv_heads] grid of integers >= 0 "
+                             f"(tuples), got {grid!r}")
+        heads = len(grid) * len(grid[0])
+        total = sum(sum(row) for row in grid)
+        if total != heads * self.budget.topk:
+            raise ValueError(f"{self.name}: per-head long-range slots sum to {total}, not layers × kv_heads × "
+                             f"budget.topk = {heads} × {self.budget.topk}: the budget must be the allocation's mean")
+
+    def layer_topk(self, ordinal: int) -> tuple[int, ...] | None:
+        """Long-range slots per KV head of the ``ordinal``-th evicting layer, or ``None`` (uniform: ``budget.topk``)."""
+        return None if self.head_topk is None else self.head_topk[ordinal]
 
     @property
     def anchors(self) -> int:
@@ -64,10 +97,14 @@ class Policy:
         """What the anchor slots rank by: the priority with their own recency term (METHOD §1)."""
         return with_recency(priority, self.anchor_recency, positions)
 
-    def evictions(self, priority: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def evictions(self, priority: torch.Tensor, positions: torch.Tensor,
+                  topk: torch.Tensor | None = None) -> torch.Tensor:
         """Eviction positions of the tokens at ``positions`` from their raw priorities, under this policy's rule: one
-        pool of ``topk`` by :meth:`ranked`, or beside it the anchor slots by :meth:`anchor_ranked`."""
+        pool of ``topk`` by :meth:`ranked`, or beside it the anchor slots by :meth:`anchor_ranked`. ``topk``: the
+        layer's per-head long-range slots (``[Hkv]``, per-head budgets; no anchor slots then)."""
         ranked = self.ranked(priority, positions).detach().float()
+        if topk is not None:
+            return eviction_positions(ranked, self.budget, positions, topk=topk)
         anchor = self.anchor_ranked(priority, positions).detach().float() if self.anchors else None
         return anchored_eviction_positions(ranked, anchor, self.budget, self.anchors, positions)
 
