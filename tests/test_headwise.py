@@ -345,3 +345,22 @@ def test_save_and_load_with_the_allocation(tmp_path):
         (tmp_path / "m" / ALLOCATION_FILE).write_text(json.dumps(edited))
         with pytest.raises(AllocationError, match=message):
             kvpop.load_retrofitted(tmp_path / "m", base=tmp_path / "base")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen2_window"])
+def test_hybrid_models_allocate_over_their_global_layers(arch):
+    """A model's own local layers keep their window (kvpop.local_layers): the allocation covers the global layers
+    only, and decode ≡ masked forward holds."""
+    from kvpop.headwise_cache import HeadwiseLayer
+
+    model = tiny_model(arch, "mha")
+    allocation = random_allocation(2, model.config.num_key_value_heads, mean_topk=10, seed=1)
+    kvpop.retrofit(model, None, scorer="mlp", allocation=allocation)
+    assert len(model.kvpop_runtime.evicting_layers) == 2
+    ids = torch.randint(1, 97, (2, 40))
+    with torch.no_grad():
+        one_pass = model(ids, use_cache=False).logits
+    assert (kvpop.teacher_forced_logits(model, ids, prefill=13, chunk=5) - one_pass).abs().max() <= 1e-4
+    layers = kvpop.KVpopCache(model).layers
+    assert [i for i, layer in enumerate(layers) if isinstance(layer, HeadwiseLayer)] == \
+        list(model.kvpop_runtime.evicting_layers)
