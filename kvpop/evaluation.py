@@ -46,12 +46,13 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from kvpop.allocation import Allocation
 from kvpop.budget import Budget
 from kvpop.cache import CACHE_KWARG, KVpopCache
 from kvpop.decode import GraphedDecoder, chunk_bounds, padded_positions, prefill, teacher_forced_logits
 from kvpop.dms import matched_total, retained_per_query
 from kvpop.metrics import first_divergence, per_sequence
-from kvpop.policies import POLICIES, build_policy
+from kvpop.policies import ALLOCATABLE, POLICIES, build_policy
 from kvpop.retrofit import collect_priorities, oracle_priorities, runtime_of, set_policy
 from kvpop.targets import teacher_pass
 
@@ -60,13 +61,15 @@ from kvpop.targets import teacher_pass
 class Setting:
     """One policy at one requested budget (its total names the row; streaming turns it all into window).
     ``recency``: the recency term (METHOD §3) the policy ranks with here; ``anchor_share`` / ``anchor_recency``: its
-    anchor slots (METHOD §1); ``None``: the model's own."""
+    anchor slots (METHOD §1); ``None``: the model's own. ``allocation``: per-head budgets redistributing ``budget``
+    (METHOD §7; no anchor slots): the row ``<policy>-H``."""
 
     policy: str
     budget: Budget | None = None
     recency: float | None = None
     anchor_share: float | None = None
     anchor_recency: float | None = None
+    allocation: Allocation | None = None
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -77,12 +80,35 @@ class Setting:
             raise ValueError(f"{self.policy}: recency must be >= 0 and needs a ranked policy, got {self.recency}")
         if self.policy == "dense" and self.options:
             raise ValueError(f"dense ranks nothing: it takes no anchor slots, got {self.options}")
+        if self.allocation is not None:
+            if self.policy not in ALLOCATABLE:
+                raise ValueError(f"{self.policy}: per-head budgets are for {', '.join(ALLOCATABLE)}")
+            self.allocation.check_budget(self.budget)
+            if self.anchor_share:
+                raise ValueError(f"{self.key}: anchor slots are not defined under per-head budgets")
+
+    @property
+    def name(self) -> str:
+        """The row's name: the policy, ``-H`` under per-head budgets."""
+        return self.policy if self.allocation is None else f"{self.policy}{ALLOCATED_SUFFIX}"
+
+    @property
+    def label(self) -> str:
+        """The budget the row runs at, as the tables print it (per-head budgets: their mode and peak)."""
+        if self.budget is None:
+            return "full"
+        if self.allocation is None:
+            return str(self.effective)
+        return f"{self.effective} {self.allocation.mode} peak {self.allocation.peak_budget}"
 
     @property
     def options(self) -> dict:
         """The policy options this setting sets (the rest are the model's own)."""
-        return {name: getattr(self, name) for name in ("recency", "anchor_share", "anchor_recency")
-                if getattr(self, name) is not None}
+        out = {name: getattr(self, name) for name in ("recency", "anchor_share", "anchor_recency")
+               if getattr(self, name) is not None}
+        if self.allocation is not None:
+            out.update(allocation=self.allocation, anchor_share=0.0)
+        return out
 
     @property
     def dynamic(self) -> bool:
@@ -99,17 +125,49 @@ class Setting:
 
     @property
     def key(self) -> str:
-        return "dense" if self.budget is None else f"{self.policy}.B{self.budget.total}"
+        return "dense" if self.budget is None else f"{self.name}.B{self.budget.total}"
+
+    def memory(self, seq_len: int, start: int) -> dict:
+        """Tokens held per (layer, KV head) at the queries ``start <= d < seq_len`` the metrics count, two ways:
+        ``mean`` over heads and queries, and ``peak`` (the most any head holds: what a serving engine reserves per
+        head). A head of budget ``b`` holds ``min(d + 1, b)`` at query ``d``; dense holds ``d + 1``. Ragged
+        policies (DMS) are measured instead (:func:`dms_occupancy`, :func:`kvpop.dms.capped_occupancy`)."""
+        if POLICIES[self.policy].ragged:
+            raise ValueError(f"{self.policy} keeps a ragged number of tokens: measure it (dms_occupancy)")
+        queries = torch.arange(start, seq_len, dtype=torch.float64) + 1
+        if self.budget is None:
+            budgets = torch.tensor([float(seq_len)], dtype=torch.float64)
+        elif self.allocation is None:
+            budgets = torch.tensor([float(self.effective.total)], dtype=torch.float64)
+        else:
+            budgets = self.allocation.tensor().double().flatten()
+        held = torch.minimum(queries[None, :], budgets[:, None])
+        return {"mean": float(held.mean()) if held.numel() else 0.0,
+                "peak": int(held.max()) if held.numel() else 0}
+
+
+ALLOCATED_SUFFIX = "-H"  # a row under per-head budgets (METHOD §7) is its policy's name and this
 
 
 def settings(policies: Sequence[str], budgets: Sequence[Budget], *, kvpop_recency: float | None = None,
-             kvpop_anchor_share: float | None = None, kvpop_anchor_recency: float | None = None) -> list[Setting]:
+             kvpop_anchor_share: float | None = None, kvpop_anchor_recency: float | None = None,
+             allocated: Sequence[str] = (), allocations: dict | None = None) -> list[Setting]:
     """Dense once (if listed), then every other policy at every budget, budgets in the given order.
     ``kvpop_recency``, ``kvpop_anchor_share``, ``kvpop_anchor_recency``: the kvpop rows rank with these instead of
-    the model's own (the others keep theirs)."""
+    the model's own (the others keep theirs). ``allocated`` policies run again at every budget under
+    ``allocations[budget.total]`` (an :class:`kvpop.allocation.Allocation`), as rows ``<policy>-H`` (the kvpop one
+    with ``kvpop_recency`` too)."""
     out = [Setting("dense")] if "dense" in policies else []
-    return out + [Setting(p, b, *((kvpop_recency, kvpop_anchor_share, kvpop_anchor_recency) if p == "kvpop" else ()))
-                  for b in budgets for p in policies if p != "dense"]
+    for b in budgets:
+        for p in policies:
+            if p != "dense":
+                out.append(Setting(p, b, *((kvpop_recency, kvpop_anchor_share, kvpop_anchor_recency)
+                                           if p == "kvpop" else ())))
+        for p in allocated:
+            if allocations is None or b.total not in allocations:
+                raise ValueError(f"{p}{ALLOCATED_SUFFIX} at B={b.total}: no allocation for that budget")
+            out.append(Setting(p, b, kvpop_recency if p == "kvpop" else None, allocation=allocations[b.total]))
+    return out
 
 
 @contextlib.contextmanager
@@ -122,12 +180,12 @@ def applied(model, setting: Setting) -> Iterator[None]:
             raise ValueError(f"{setting.key} needs a retrofitted model (kvpop.retrofit or kvpop.load_retrofitted)")
         yield
         return
-    previous = runtime.policy
+    previous = runtime.policy, runtime.allocation
     set_policy(model, setting.policy, setting.budget, **setting.options)
     try:
         yield
     finally:
-        runtime.policy = previous
+        runtime.policy, runtime.allocation = previous
 
 
 def _device(model) -> torch.device:
@@ -390,7 +448,7 @@ def teacher_forced_items(model, sequences: Sequence[torch.Tensor], runs: Sequenc
                     start = setting.total if metric_start is None else metric_start
                     table = targets[setting.budget.window][:, :keep] if setting.policy == "oracle" else None
                     logits = forced_logits(model, setting, ids[:keep], targets=table, start=start)
-                    records += _records(setting, setting.total, str(setting.effective), rows[:keep], logits,
+                    records += _records(setting, setting.total, setting.label, rows[:keep], logits,
                                         dense[:keep, start:], ids[:keep, start:], 0)
             if progress is not None:
                 progress(len(rows))
@@ -421,7 +479,7 @@ def dms_occupancy(model, sequences: Sequence[torch.Tensor], *, batch_size: int =
 def _records(setting, total, budget, rows, logits, dense, ids, start) -> list[dict]:
     if start:
         logits, dense, ids = logits[:, start:], dense[:, start:], ids[:, start:]
-    return [{"policy": setting.policy, "B": total, "budget": budget, "item": i, **metrics}
+    return [{"policy": setting.name, "B": total, "budget": budget, "item": i, **metrics}
             for i, metrics in zip(rows, per_sequence(logits, dense, ids))]
 
 
@@ -494,7 +552,6 @@ def _generation_records(setting, rows, tokens, dense_tokens, logits, dense, give
             metrics[j] = {"kl": m["kl"], "top1_agreement": m["top1_agreement"]}
             if score is not None:
                 metrics[j].update(score(logits[j, :len(given[j])], rows[j]))
-    return [{"policy": setting.policy, "B": setting.total,
-             "budget": "full" if setting.budget is None else str(setting.effective), "item": i, "tokens": t,
+    return [{"policy": setting.name, "B": setting.total, "budget": setting.label, "item": i, "tokens": t,
              "divergence": first_divergence(t, d), **m}
             for i, t, d, m in zip(rows, tokens, dense_tokens, metrics)]

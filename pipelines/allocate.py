@@ -13,7 +13,9 @@
    oracle, every ``allocate.query_stride``-th query), solve (:func:`kvpop.allocation.allocate`, ``allocate.mode``)
    and write :data:`kvpop.allocation.ALLOCATION_FILE` into ``<allocate.output_root or $KVPOP_HOME/allocations>/<key>/``
    with its provenance: the calibration digest (targets key, each shard read with its sha256 and the rows used), the
-   teacher's weights digest, the utility source, the targets' directory.
+   teacher's weights digest, the utility source, the targets' directory; beside it the slot gains
+   (:data:`GAINS_FILE`), from which :func:`allocations_at` allocates at any other mean budget (the evaluation stage's
+   ``<policy>-H`` rows at every budget) without reading the targets again.
 4. An MLflow run (stage ``allocate``; the whole config as params): the budgets' mean, peak, min and spread, the mean
    long-range target mass a head keeps per query under the uniform budget and under the allocation
    (:func:`kvpop.allocation.kept_mass`), the seconds spent; the JSON as the run's artifact. Then the ``allocate``
@@ -32,14 +34,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import torch
 
-from kvpop.allocation import (AllocationError, Allocation, allocate, budget_summary, kept_mass, load_allocation,
-                              save_allocation, slot_gain_sums)
+from kvpop.allocation import (ALLOCATION_FILE, AllocationError, Allocation, allocate, budget_summary, kept_mass,
+                              load_allocation, save_allocation, slot_gain_sums)
 from pipelines import records, store, tracking
 from pipelines.config import ConfigError, PipelineConfig
 from pipelines.data import load_tokenizer
 from pipelines.train import targets_path
 
 UTILITY = "oracle"  # the pipeline ranks by the stored targets; a scorer's ranking is kvpop.allocation's option
+GAINS_FILE = "slot_gains.pt"  # the calibration's gains [L, Hkv, K] (float64) beside the allocation
 
 
 @dataclass(frozen=True)
@@ -93,7 +96,8 @@ def run(cfg: PipelineConfig) -> AllocateResult:
     shape = {"num_layers": identity["num_layers"], "num_kv_heads": identity["num_kv_heads"]}
     weights = identity["teacher"]["weights_sha256"]
     committed = records.for_config(cfg, "allocate")
-    if committed is not None and Path(committed.payload["path"]).is_file():
+    if committed is not None and Path(committed.payload["path"]).is_file() \
+            and (Path(committed.payload["path"]).parent / GAINS_FILE).is_file():
         folder = Path(committed.payload["path"]).parent
         try:
             allocation = load_allocation(folder, **shape, weights_sha256=weights)
@@ -113,6 +117,7 @@ def run(cfg: PipelineConfig) -> AllocateResult:
                     "targets_key": targets.key, "targets": str(targets.path), "sequences": sequences,
                     "queries": queries, "query_stride": cfg.allocate.query_stride})
     path = save_allocation(allocations_root(cfg) / key, allocation)
+    torch.save(gains, path.parent / GAINS_FILE)
     summary = budget_summary(budgets)
     uniform = torch.full_like(budgets, mean)
     metrics = {"budget_mean": summary["mean"], "budget_peak": summary["peak"], "budget_min": summary["min"],
@@ -130,3 +135,36 @@ def run(cfg: PipelineConfig) -> AllocateResult:
     records.commit(cfg, "allocate", {"path": str(path), "mlflow_run_id": run_id, "targets": str(targets.path),
                                      "mode": mode, "mean": summary["mean"], "peak": summary["peak"]})
     return AllocateResult(path, allocation, run_id, True)
+
+
+def allocations_at(cfg: PipelineConfig, totals) -> dict[int, Allocation]:
+    """``{total: Allocation}``: this config's committed slot gains (the allocate record's, :data:`GAINS_FILE`)
+    allocated at each mean budget ``total`` in ``allocate.mode``, with the record's provenance (and the gains file it
+    came from). One :class:`ConfigError` line without a record, or for a total outside ``[sink + window, S]``."""
+    committed = records.for_config(cfg, "allocate")
+    folder = None if committed is None else Path(committed.payload["path"]).parent
+    if folder is None or not (folder / GAINS_FILE).is_file():
+        raise ConfigError(f"no allocation for config {cfg.name!r} (no allocate record with its {GAINS_FILE}): run "
+                          f"the allocate stage first (python -m jobs.allocate, same config)")
+    made = Allocation.from_json((folder / ALLOCATION_FILE).read_text())
+    gains = torch.load(folder / GAINS_FILE)
+    out = {}
+    for total in totals:
+        try:
+            budgets = allocate(gains, sink=made.sink, window=made.window, mean_budget=int(total), mode=made.mode)
+        except AllocationError as err:
+            raise ConfigError(f"allocating at B={total}: {err}") from None
+        out[int(total)] = Allocation.from_tensor(
+            budgets, mean_budget=int(total), sink=made.sink, window=made.window, seq_len=made.seq_len, mode=made.mode,
+            provenance={**made.provenance, "gains": str(folder / GAINS_FILE)})
+    return out
+
+
+def gains_digest(cfg: PipelineConfig) -> str:
+    """The sha256 of this config's committed slot gains (what the evaluation's ``-H`` rows depend on)."""
+    committed = records.for_config(cfg, "allocate")
+    path = None if committed is None else Path(committed.payload["path"]).parent / GAINS_FILE
+    if path is None or not path.is_file():
+        raise ConfigError(f"eval.allocated: no allocation for config {cfg.name!r} (no allocate record with its "
+                          f"{GAINS_FILE}): run the allocate stage first (python -m jobs.allocate, same config)")
+    return hashlib.sha256(path.read_bytes()).hexdigest()

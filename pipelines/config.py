@@ -26,7 +26,7 @@ from kvpop.dms import CompressionSchedule
 from kvpop.objective import TRAIN_POLICIES
 from kvpop.online import FEATURE_SOURCES as ONLINE_FEATURES
 from kvpop.parameters import TRAIN_MODES
-from kvpop.policies import POLICIES
+from kvpop.policies import ALLOCATABLE as ALLOCATED_POLICIES, POLICIES
 from kvpop.scorers import SCORERS
 from kvpop.targets import check_query_power
 from pipelines.models import REPO_ROOT, kvpop_home, smollm2_dir
@@ -206,6 +206,9 @@ class TrainConfig:
     #     data.eval_sequences)
     eval_recall_samples: int = 0  # samples per recall cell (eval.tasks x eval.task_contexts x eval.task_depths) it
     #     also measures greedy exact match on (heldout.recall_exact: headline cells); 0 = none
+    allocation: str = ""  # policy kvpop: train at per-(layer, KV head) budgets (METHOD §7): "allocate" = this config's
+    #     allocate stage's (python -m jobs.allocate; allocate.mean_budget must be budget.total), or a folder holding
+    #     kvpop_allocation.json; "": every head at budget.*. The run's keys hold the allocation's digest
 
     DMS_KEYS: ClassVar[tuple[str, ...]] = ("dms_keep_rate", "dms_schedule_steps", "dms_temperature", "dms_keep_weight")
     KVPOP_KEYS: ClassVar[tuple[str, ...]] = ("scorer", "scorer_options", "beta", "tau", "recency", "loss_weight",
@@ -217,7 +220,7 @@ class TrainConfig:
         "eval_sequences", "eval_recall_samples")
     # settings that came after runs were first named: in the run-name hash only away from their default
     LATER: ClassVar[dict[str, Any]] = {"targets_source": "stored", "online_features": "student", "warmup_steps": 0,
-                                       "schedule": "constant", "shuffle_seed": None}
+                                       "schedule": "constant", "shuffle_seed": None, "allocation": ""}
 
     def __post_init__(self):
         _require([
@@ -258,6 +261,10 @@ class TrainConfig:
              "train.eval_every, train.eval_sequences and train.eval_recall_samples must be >= 0"),
             (not self.eval_every or self.policy == "kvpop",
              "train.eval_every evaluates the scorers: it is for train.policy=kvpop"),
+            (not self.allocation or self.policy == "kvpop",
+             "train.allocation moves the scorers' long-range slots between heads: it is for train.policy=kvpop"),
+            (not (self.allocation and self.extra_topks),
+             "train.extra_topks are uniform long-range sizes, not defined beside train.allocation: drop one"),
         ])
         if self.policy == "dms":
             self.dms_schedule()
@@ -318,7 +325,9 @@ class SweepConfig:
     lr_range: tuple[float, ...] = ()  # [low, high]: train.lr sampled log-uniformly instead, num_samples per grid point
     budgets: tuple[tuple[int, int, int], ...] = ()  # (sink, window, topk); empty: the main budget only. Every window
     #                                                 needs precomputed targets (precompute.windows)
-    grid: dict = field(default_factory=dict)  # more train.* keys -> lists of values, e.g. {"train.beta": [0.5, 1.0]}
+    grid: dict = field(default_factory=dict)  # more train.* keys (and allocate.mode) -> lists of values, e.g.
+    #     {"train.beta": [0.5, 1.0]}; {"train.allocation": ["", "allocate"], "allocate.mode": [per_head, per_layer]}
+    #     with sweep.budgets sweeps uniform vs allocation mode × mean budget
     num_samples: int = 1  # Tune's num_samples: draws per grid point (> 1 only with lr_range: else trials repeat)
     max_concurrent_trials: int = 1  # trials (TorchTrainer runs) at once; 1 on the 2-core default (no spare CPUs)
     steps: int = 20  # training steps per trial (replaces train.steps in the trials; the best config keeps train.steps)
@@ -358,8 +367,10 @@ class SweepConfig:
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         for key in self.grid:
             section, _, name = str(key).partition(".")
+            if key == "allocate.mode":  # with train.allocation=allocate: allocation mode × mean budget (sweep.budgets)
+                continue
             if section != "train" or name not in known:
-                raise ConfigError(f"sweep.grid: {key!r} is not a train.* key (known: train."
+                raise ConfigError(f"sweep.grid: {key!r} is not a train.* key or allocate.mode (known: train."
                                   f"{', train.'.join(sorted(known))})")
             if name in self.OWNED:
                 raise ConfigError(f"sweep.grid: {key} is set by the sweep itself (use sweep.scorers / sweep.lrs / "
@@ -373,7 +384,7 @@ class EvalConfig(OptionalSettings):
 
     # came after evaluations were first recorded
     OPTIONAL: ClassVar[tuple[str, ...]] = ("recency", "anchor_share", "anchor_recency", "read_windows",
-                                           "heldout_sources")
+                                           "heldout_sources", "allocated")
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
     budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
     compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
@@ -404,6 +415,9 @@ class EvalConfig(OptionalSettings):
     #     that leaves long-range slots (sink + window < B), every policy at that budget (pipelines.evaluate.readings)
     heldout_sources: tuple[str, ...] = ()  # more corpora (data.source values) whose held-out split is evaluated too:
     #     text metrics only, every policy and budget, reported and logged per corpus as <corpus>.<policy>.B<total>.*
+    allocated: tuple[str, ...] = ()  # static policies (kvpop, oracle, random, window_attention) also run under
+    #     per-head budgets (METHOD §7) at every budget, as rows <policy>-H: allocated from the allocate stage's slot
+    #     gains (python -m jobs.allocate first) at each budget's mean, in allocate.mode
 
     def __post_init__(self):
         _validate_eval(self)
@@ -458,6 +472,13 @@ class PipelineConfig:
         if not budget.sink + budget.window <= mean <= self.data.seq_len:
             raise ConfigError(f"allocate.mean_budget={mean} must be in [sink + window, data.seq_len] = "
                               f"[{budget.sink + budget.window}, {self.data.seq_len}]")
+        if self.train.allocation == "allocate" and self.train.online:
+            raise ConfigError("train.allocation=allocate is made from the stored targets (the allocate stage): with "
+                              "train.targets_source=online give an allocation folder instead")
+        if self.train.allocation == "allocate" and mean != budget.total:
+            raise ConfigError(f"train.allocation=allocate trains at the allocate stage's allocation, whose mean is "
+                              f"allocate.mean_budget={mean}, not budget.total={budget.total}: set allocate.mean_budget "
+                              f"to 0 (the budget's total)")
         for total in self.eval.budgets:
             if total < budget.sink + budget.window:
                 raise ConfigError(f"eval.budgets: {total} is smaller than sink + window = "
@@ -515,6 +536,10 @@ def _validate_eval(ev: "EvalConfig") -> None:
         (ev.anchor_recency is None or ev.anchor_recency >= 0, "eval.anchor_recency must be >= 0 (or null: the "
                                                               "trained model's own)"),
         (all(w >= 1 for w in ev.read_windows), "eval.read_windows must all be >= 1 (protected windows)"),
+        (all(p in ALLOCATED_POLICIES for p in ev.allocated), f"eval.allocated: per-head budgets are for "
+                                                              f"{', '.join(ALLOCATED_POLICIES)}"),
+        (all(p in ev.policies for p in ev.allocated), "eval.allocated: each policy must also be in eval.policies "
+                                                      "(its -H row is compared with its uniform row)"),
         (not ev.read_windows or "kvpop" in ev.policies, "eval.read_windows reads the kvpop scorers at other windows: "
                                                         "add kvpop to eval.policies"),
         (ev.anchor_share is None and ev.anchor_recency is None or "kvpop" in ev.policies,

@@ -121,6 +121,10 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
         recency = recency if cfg.eval.anchor_recency is None else cfg.eval.anchor_recency
         lines.append(f"kvpop's anchor slots (eval.anchor_share, METHOD §1): {share:g} of the topk slots keep the best "
                      f"by its scorer + {recency:g} * t, beside the rest")
+    if cfg.eval.allocated:
+        lines.append(f"{', '.join(p + runner.ALLOCATED_SUFFIX for p in cfg.eval.allocated)}: the same policies under "
+                     f"per-head budgets (METHOD §7), allocated ({cfg.allocate.mode}) from the allocate stage's slot "
+                     f"gains at each B's mean: the same total memory, a larger peak per head (memory table)")
     if cfg.eval.dynamic_sequences and {"tova", "h2o"} & set(cfg.eval.policies):
         lines.append(f"tova / h2o teacher-forced on the first {cfg.eval.dynamic_sequences} sequences (paired on those)")
     if p["samples"]:
@@ -171,7 +175,8 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     ``finished``: parts already run are taken from there (as ``prefix + part``), each part run is put there."""
     tok, ev = inputs["tokenizer"], cfg.eval
     runs = runner.settings(ev.policies, inputs["budgets"], kvpop_recency=ev.recency, kvpop_anchor_share=ev.anchor_share,
-                           kvpop_anchor_recency=ev.anchor_recency) if runs is None else runs
+                           kvpop_anchor_recency=ev.anchor_recency, allocated=ev.allocated,
+                           allocations=inputs.get("allocations")) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     oracle = cfg.precompute.target_options()  # the target definition the scorer was trained on

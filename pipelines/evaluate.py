@@ -53,6 +53,7 @@ from kvpop import evaluation as runner
 from kvpop.retrofit import runtime_of
 from kvpop.files import atomic_write_text
 from kvpop.retrofit import CONFIG_FILE, SCORERS_FILE, rewindow_scorer_folder, saved_model_config
+from pipelines import allocate as allocation_stage
 from pipelines import eval_parts, records, report, stats, tracking
 from pipelines import problems as long_prompts
 from pipelines.config import ConfigError, PipelineConfig, fingerprint
@@ -185,6 +186,9 @@ def plan(cfg: PipelineConfig) -> dict:
         identity["heldout_sources"] = [{"source": c["source"], "corpus": name, "count": len(c["sequences"]),
                                         "sha256": _digest(s["input_ids"] for s in c["sequences"])}
                                        for name, c in corpora.items()]
+    if cfg.eval.allocated:  # likewise
+        identity["allocated"] = {"policies": list(cfg.eval.allocated), "mode": cfg.allocate.mode,
+                                 "gains_sha256": allocation_stage.gains_digest(cfg)}
     if cfg.eval.baselines:  # likewise
         identity["baselines"] = {}
         for name, folder in cfg.eval.baselines.items():
@@ -223,6 +227,8 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     p["budgets"], matched_unreachable = matched_budgets(p["base"], p["budgets"], [o["B"] for o in
                                                                                 p["occupancy"].values()], p["seq_len"])
     unreachable = [*p["identity"]["unreachable"], *matched_unreachable]
+    p["allocations"] = (allocation_stage.allocations_at(cfg, [b.total for b in p["budgets"]])
+                        if cfg.eval.allocated else {})
     p["evicting"] = {b.total: runner.evicting_share([len(ids) for ids in p["prompts"]], cfg.eval.generation_tokens,
                                                     b.total) for b in p["budgets"]} if p["prompts"] else {}
     finished = eval_parts.FinishedParts(parts_dir(out))
@@ -246,9 +252,11 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
             [r for r in items if r.get("corpus") == name], budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)}
             for name, c in p["corpora"].items()}
     summary["occupancy"] = p["occupancy"]
+    summary["memory"] = memory_rows(cfg, p, baselines)
     labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text" and "corpus" not in r}
     text = eval_parts.describe(cfg, p) + "\n" + report.format_report(summary, budgets, labels=labels,
-                                                         unreachable=unreachable, evicting=p["evicting"])
+                                                         unreachable=unreachable, evicting=p["evicting"]) \
+        + "\n" + report.format_memory(summary["memory"])
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.json", json.dumps({**p["identity"], "config": cfg.to_dict()}, indent=1))
@@ -266,6 +274,28 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     shutil.rmtree(parts_dir(out), ignore_errors=True)  # predictions.jsonl holds every record now
     records.commit(cfg, "evaluate", {"output_dir": str(out), "mlflow_run_id": run_id})  # the hand-over, last
     return EvalResult(out, summary, text, run_id, seconds, False)
+
+
+def memory_rows(cfg: PipelineConfig, p: dict, baselines: dict) -> list[dict]:
+    """Every row's memory two ways (issue 43): ``{"policy", "B", "mean", "peak"}`` tokens per (layer, KV head) at the
+    queries its text metrics count (``d >= B``) — a fixed budget holds ``min(d + 1, b)`` per head
+    (:meth:`kvpop.evaluation.Setting.memory`: the mean and the largest head's), a ragged baseline (DMS) what it was
+    measured to hold (its occupancy), dense everything."""
+    seq_len, out = p["seq_len"], []
+    runs = runner.settings(cfg.eval.policies, p["budgets"], allocated=cfg.eval.allocated,
+                           allocations=p.get("allocations"))
+    for setting in runs:
+        for b in (p["budgets"] if setting.policy == "dense" else [setting.budget]):
+            out.append({"policy": setting.name, "B": b.total, **setting.memory(seq_len, b.total)})
+    for name, model in baselines.items():
+        policy = runtime_of(model).policy
+        if policy.ragged:
+            o = p["occupancy"][name]
+            out.append({"policy": name, "B": o["B"], "mean": o["mean"], "peak": o["peak"]})
+        else:
+            out += [{"policy": name, "B": b.total, **runner.Setting(policy.name, b).memory(seq_len, b.total)}
+                    for b in p["budgets"]]
+    return out
 
 
 @contextlib.contextmanager
@@ -380,8 +410,9 @@ def readings(cfg: PipelineConfig) -> list[PipelineConfig]:
             shutil.rmtree(aside, ignore_errors=True)
             rewindow_scorer_folder(path, aside, Budget(trained.sink, window, 0))
             aside.rename(folder)
-        found.append(dataclasses.replace(cfg, eval=dataclasses.replace(
-            cfg.eval, checkpoint=str(folder), compression_ratios=tuple(ratios), budgets=(), read_windows=())))
+        found.append(dataclasses.replace(cfg, eval=dataclasses.replace(  # allocations are made at the trained window
+            cfg.eval, checkpoint=str(folder), compression_ratios=tuple(ratios), budgets=(), read_windows=(),
+            allocated=())))
     return found
 
 

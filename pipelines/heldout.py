@@ -9,7 +9,9 @@ with the evaluation stage's own code (:func:`pipelines.eval_parts.evaluate_items
   > 0, that many samples per recall cell (``eval.tasks`` × ``eval.task_contexts`` × ``eval.task_depths``, seeded by
   ``data.seed``: :func:`pipelines.eval_parts.recall_samples`);
 * at the **training budget** only: kvpop at every point; dense, streaming and the oracle (under
-  ``precompute``'s target definition) once per worker group, as references — they do not depend on the scorers;
+  ``precompute``'s target definition) once per worker group, as references — they do not depend on the scorers.
+  A run training at per-head budgets (``train.allocation``) measures kvpop and the oracle at them (the rows
+  ``kvpop-H`` / ``oracle-H`` of the evaluation stage, logged under the same names);
 * summarised over items with ``eval.resamples`` bootstrap resamples.
 
 :func:`heldout_metrics` names what is logged (:data:`METRICS` the curve's main lines; each with ``.lo`` / ``.hi``,
@@ -24,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kvpop.evaluation import settings
+from kvpop.evaluation import ALLOCATED_SUFFIX, settings
+from kvpop.retrofit import runtime_of
 from kvpop.pretrained import read_model_config
 from pipelines import report
 from pipelines.config import ConfigError, PipelineConfig
@@ -75,9 +78,12 @@ class HeldoutEvaluator:
         self.references: list[dict] | None = None
 
     def records(self, model, policies: list[str]) -> list[dict]:
-        found, _ = evaluate_items(self.cfg, self.inputs, model, progress=False,
-                                  runs=settings(policies, [self.cfg.budget]))
-        return found
+        allocation = runtime_of(model).allocation  # training at per-head budgets: measured at them
+        allocated = [p for p in policies if allocation is not None and p in ("kvpop", "oracle")]
+        runs = settings([p for p in policies if p not in allocated], [self.cfg.budget], allocated=allocated,
+                        allocations={self.cfg.budget.total: allocation})
+        found, _ = evaluate_items(self.cfg, self.inputs, model, progress=False, runs=runs)
+        return [{**r, "policy": r["policy"].removesuffix(ALLOCATED_SUFFIX)} for r in found]
 
     def __call__(self, model) -> dict[str, float]:
         if self.references is None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from pipelines import evaluate, precompute, records, sweep, train
+from pipelines import allocate, evaluate, precompute, records, sweep, train
 from pipelines.cluster import check_address
 from pipelines.config import ConfigError, PipelineConfig, config_from_dict
 from pipelines.data import check_inputs
@@ -175,10 +175,16 @@ def finished_training(cfg: PipelineConfig):
     return record if trained_steps(Path(record.payload["model_dir"])) == cfg.train.steps else None
 
 
+def needs_allocation(cfg: PipelineConfig) -> bool:
+    """Whether the allocate stage runs after precompute: the scorer trains at its allocation
+    (``train.allocation=allocate``) or the evaluation adds ``-H`` rows (``eval.allocated``)."""
+    return cfg.train.allocation == "allocate" or bool(cfg.eval.allocated)
+
+
 def run_pipeline(cfg: PipelineConfig, *, evaluate_model: bool = True, label: str = "") -> dict:
-    """One config through precompute → [sweep →] train → [evaluate], each stage resuming; a config whose training
-    is already recorded as finished goes straight to evaluation. Returns ``{"model_dir", "mlflow_run_id",
-    "evaluations"}``."""
+    """One config through precompute → [allocate →] [sweep →] train → [evaluate], each stage resuming (allocate when
+    :func:`needs_allocation`); a config whose training is already recorded as finished goes straight to evaluation.
+    Returns ``{"model_dir", "mlflow_run_id", "evaluations"}``."""
 
     def say(text: str) -> None:
         print(f"[kvpop]{label} {text}", flush=True)
@@ -200,6 +206,10 @@ def run_pipeline(cfg: PipelineConfig, *, evaluate_model: bool = True, label: str
             say(f"1/{stages} precompute teacher targets")
             targets = precompute.run(cfg)
             say(f"    {targets.path} ({targets.shards} shards, {targets.computed} computed now)")
+        if needs_allocation(cfg):
+            made = allocate.run(cfg)
+            say(f"    allocation {made.path} ({made.allocation.mode}, mean B {made.allocation.mean_budget}, peak "
+                f"{made.allocation.peak_budget})")
         if cfg.sweep.in_pipeline:
             say(f"2/{stages} sweep")
             swept = sweep.run(cfg)
@@ -212,6 +222,8 @@ def run_pipeline(cfg: PipelineConfig, *, evaluate_model: bool = True, label: str
         model, run_id = trained.model_dir, trained.mlflow_run_id
     evaluations = []
     if evaluate_model:
+        if cfg.eval.allocated and done is not None:  # trained already: the -H rows still need the slot gains
+            allocate.run(cfg)
         say(f"{stages}/{stages} evaluate")
         evaluations = evaluate.run_readings(cfg)
     return {"config": cfg, "model_dir": model, "mlflow_run_id": run_id, "evaluations": evaluations}

@@ -12,7 +12,8 @@ value may be ``None`` where it is undefined for an item (a problem dense did not
   items both have, with ``resolved`` (the interval excludes 0) and the items a difference of that size would need
   (:func:`pipelines.stats.items_needed`); and
   ``kvpop``'s paired difference to each trained baseline's row (a policy name outside :data:`POLICY_ORDER`:
-  ``eval.baselines``, e.g. StreamingLLM+ or DMS);
+  ``eval.baselines``, e.g. StreamingLLM+ or DMS); a row under per-head budgets (``<policy>-H``, METHOD §7) against
+  its uniform row, and ``kvpop-H`` against every heuristic and trained baseline as ``kvpop`` is;
 * the fraction of the streaming → oracle gap each other policy closes (a paired ratio of means);
 * for the recall part, accuracy per cell (task, context, depth); the headline recall metrics use only the cells the
   stage marked ``headline`` (dense accuracy at least the calibration threshold), and each policy's headline exact
@@ -39,8 +40,9 @@ from pipelines import stats
 
 HEURISTICS = ("streaming", "tova", "h2o", "window_attention")
 POLICY_ORDER = ("dense", "streaming", "tova", "h2o", "window_attention", "random", "oracle",
-                "kvpop")  # then trained baselines' rows
-NARRATED = ("kvpop", "oracle")  # the policies the closing sentences speak about (and every trained baseline's row)
+                "kvpop", "window_attention-H", "random-H", "oracle-H", "kvpop-H")  # then trained baselines' rows
+NARRATED = ("kvpop", "oracle", "kvpop-H", "oracle-H")  # what the closing sentences speak about (and trained baselines)
+ALLOCATED = "-H"  # a row under per-head budgets: its policy's name and this (kvpop.evaluation.ALLOCATED_SUFFIX)
 PART_TITLES = {"text": "held-out text, teacher-forced against dense (positions >= B)",
                "recall": "recall tasks, greedy exact match and gold answer teacher-forced (headline cells)",
                "generation": "long free generation from held-out prompts (dense's continuation teacher-forced)"}
@@ -144,10 +146,13 @@ def _differences(values, metric, base, options) -> list[dict]:
         if policy == "dense":
             continue
         pairs = [("streaming", "streaming"), ("best_heuristic", best)]
-        if policy == "kvpop" or trained_baseline(policy):  # a trained policy against every heuristic, not only the
+        kvpop = policy in ("kvpop", "kvpop" + ALLOCATED)
+        if kvpop or trained_baseline(policy):  # a trained policy against every heuristic, not only the
             pairs += [(h, h) for h in HEURISTICS[1:] if h != best]  # best by point estimate (issue 12's acceptance)
-        if policy == "kvpop":  # KVpop against each trained baseline's row (issue 13), on the same items
+        if kvpop:  # KVpop against each trained baseline's row (issue 13), on the same items
             pairs += [(other, other) for other in values if trained_baseline(other)]
+        if policy.endswith(ALLOCATED):  # per-head budgets against the same policy's uniform ones (issue 43)
+            pairs.append((policy.removesuffix(ALLOCATED),) * 2)
         for vs, baseline in pairs:
             if baseline is None or baseline == policy or baseline not in values:
                 continue
@@ -493,3 +498,16 @@ def save_figures(summary: dict, budgets: Sequence[dict], out) -> list[str]:
             saved.append(name)
     return saved
 
+
+def format_memory(rows: Sequence[dict], *, markdown: bool = False) -> str:
+    """The memory table: per row and budget, tokens held per (layer, KV head) at the counted queries, two ways —
+    the ``mean`` (what "matched at B" matches) and the ``peak`` (what a serving engine reserves per head) —
+    from the evaluation stage's ``summary["memory"]``."""
+    if not rows:
+        return ""
+    table = _pipes if markdown else _grid
+    head = ["", "### memory per (layer, KV head), tokens", ""] if markdown else ["", "== memory per (layer, KV head), "
+                                                                                  "tokens at the counted queries"]
+    body = [[r["policy"], str(r["B"]), f"{r['mean']:.1f}", str(r["peak"])]
+            for r in sorted(rows, key=lambda r: (-r["B"], _order(r["policy"]), r["policy"]))]
+    return "\n".join(head + table(["policy", "B", "mean held", "peak"], body))

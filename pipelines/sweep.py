@@ -2,7 +2,10 @@
 
 **Grid.** ``sweep.scorers × sweep.lrs × sweep.budgets × sweep.grid`` (an empty axis is the config's own value), or
 ``train.lr`` drawn log-uniformly from ``sweep.lr_range`` (``sweep.num_samples`` draws per point). A trial is the input
-config with its variant applied, ``train.steps = sweep.steps``, the verified targets and its own storage.
+config with its variant applied, ``train.steps = sweep.steps``, the verified targets and its own storage. Per-head
+budgets (METHOD §7): ``train.allocation`` and ``allocate.mode`` may be grid keys, ``sweep.budgets`` the mean budgets;
+each trial training at its allocation gets it from the allocate stage, run in the driver before Tune
+(:func:`allocate_trials`).
 
 **Before anything is written** (:func:`plan`): every trial's config is built and validated; the targets (the
 precompute record's, or ``train.targets``) must match the config and hold a target column for every window the sweep
@@ -46,7 +49,7 @@ import yaml
 
 from kvpop.files import atomic_write_text
 from kvpop.objective import METRICS as OBJECTIVE_METRICS
-from pipelines import records, store, tracking, train
+from pipelines import allocate, records, store, tracking, train
 from pipelines.cluster import ensure_ray, require_resources
 from pipelines.config import ConfigError, PipelineConfig, apply_overrides, load_config
 from pipelines.data import load_tokenizer
@@ -113,7 +116,22 @@ def variant_label(overrides: dict[str, Any]) -> str:
     for key, value in overrides.items():
         if key.startswith("train.") and key not in ("train.scorer", "train.lr"):
             parts.append(f"{key.split('.', 1)[1]}{value}")
+        elif key == "allocate.mode":
+            parts.append(str(value))
     return "-".join(parts)
+
+
+def allocate_trials(p: "Plan") -> list:
+    """The allocate stage for every trial that trains at its allocation (``train.allocation=allocate``: with
+    ``sweep.budgets`` and ``allocate.mode`` in the grid, allocation mode × mean budget), in the driver before Tune
+    (cheap, no Ray): each trial's train stage then finds its own allocate record. Returns the stage's results."""
+    made = []
+    for point in p.variants:
+        overrides = {**point, **({"train.lr": float(p.cfg.sweep.lr_range[0])} if p.cfg.sweep.lr_range else {})}
+        trial = apply_overrides(p.base, overrides)
+        if trial.train.allocation == "allocate":
+            made.append(allocate.run(trial))
+    return made
 
 
 # ------------------------------------------------------------------------------------------------ the plan
@@ -278,6 +296,7 @@ def run(cfg: PipelineConfig) -> SweepResult:
     cfg, sw = p.cfg, p.cfg.sweep
     ensure_ray(cfg)
     _check_cluster(p)
+    allocate_trials(p)
 
     parent_id = tracking.find_run(cfg, p.name, "sweep") if p.resume else None
     if p.resume and parent_id is None:

@@ -51,6 +51,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvpop import checkpointing
+from kvpop.allocation import ALLOCATION_FILE, Allocation, AllocationError, load_allocation
 from kvpop.budget import Budget
 from kvpop.objective import DMSObjective, Objective, StreamingObjective
 from kvpop.retrofit import check_scorer_folder
@@ -100,9 +101,38 @@ TrainInputs = store.Targets | OnlineSequences
 def run_name_of(cfg: PipelineConfig, targets: TrainInputs) -> str:
     if cfg.train.run_name:
         return cfg.train.run_name
+    allocation = train_allocation(cfg, targets.identity)
+    extra = [] if allocation is None else [("allocation_sha256", fingerprint(allocation.to_json(), length=32))]
     digest = fingerprint("kvpop.train", targets.key, cfg.budget, cfg.train.optimisation(), cfg.data.seed,
-                         *init_identity(cfg), length=10)
-    return f"{cfg.name}-{cfg.train.label}-{cfg.train.mode}-{cfg.budget}-{digest}"
+                         *init_identity(cfg), *extra, length=10)
+    budget = str(cfg.budget) if allocation is None else f"{cfg.budget}-{allocation.mode}"
+    return f"{cfg.name}-{cfg.train.label}-{cfg.train.mode}-{budget}-{digest}"
+
+
+def train_allocation(cfg: PipelineConfig, identity: dict) -> Allocation | None:
+    """The per-head budgets ``train.allocation`` names (``None``: uniform), for the teacher of ``identity`` (the
+    targets' or an online run's): ``allocate`` — this config's allocate record — or a folder holding
+    ``kvpop_allocation.json``. Refused in one :class:`ConfigError` line if missing, of another shape (evicting
+    layers × KV heads) or base model, or not a redistribution of ``budget``."""
+    name = cfg.train.allocation
+    if not name:
+        return None
+    if name == "allocate":
+        record = records.for_config(cfg, "allocate")
+        if record is None:
+            raise ConfigError("train.allocation=allocate: no allocate record for this config: run the allocate stage "
+                              "first (python -m jobs.allocate, same config)")
+        folder = Path(record.payload["path"]).parent
+    else:
+        folder = Path(name).expanduser().resolve()
+        folder = folder.parent if folder.name == ALLOCATION_FILE else folder
+    try:
+        allocation = load_allocation(folder, num_layers=identity["num_layers"], num_kv_heads=identity["num_kv_heads"],
+                                     weights_sha256=identity["teacher"]["weights_sha256"])
+        allocation.check_budget(cfg.budget)
+    except AllocationError as err:
+        raise ConfigError(f"train.allocation: {err}") from None
+    return allocation
 
 
 def targets_path(cfg: PipelineConfig) -> Path:
@@ -176,6 +206,7 @@ def open_inputs(cfg: PipelineConfig, windows: tuple[int, ...] | None = None) -> 
         rows = load_sequences(cfg, "train", tokenizer)
         check_trainable(cfg, len(rows))
         check_init_from(cfg, identity["teacher"]["weights_sha256"])
+        train_allocation(cfg, identity)
         if cfg.train.eval_every:
             check_heldout(cfg, tokenizer)
         return OnlineSequences(sequences_dir(cfg, tokenizer), identity,
@@ -186,23 +217,27 @@ def open_inputs(cfg: PipelineConfig, windows: tuple[int, ...] | None = None) -> 
     targets = store.open_targets(path, expect=store.training_identity(cfg, load_tokenizer(cfg)), windows=windows or ())
     check_trainable(cfg, targets.num_rows)
     check_init_from(cfg, targets.identity["teacher"]["weights_sha256"])
+    train_allocation(cfg, targets.identity)
     if cfg.train.eval_every:
         check_heldout(cfg)
     return targets
 
 
 # ------------------------------------------------------------------------------------------------ the trainer
-def objective_of(cfg: PipelineConfig) -> Objective | DMSObjective | StreamingObjective:
-    """The loss of ``train.policy`` at this config's budget: KVpop's (METHOD §3); DMS's on ``Budget(sink, window,
-    0)`` (its window is the delayed-eviction window); StreamingLLM+'s KL at the streaming budget of the same total B
-    (the window takes the top-k slots, as :func:`kvpop.policies.build_policy` converts it)."""
+def objective_of(cfg: PipelineConfig, allocation: Allocation | None = None
+                 ) -> Objective | DMSObjective | StreamingObjective:
+    """The loss of ``train.policy`` at this config's budget: KVpop's (METHOD §3; each head at its own cutoff under
+    ``allocation``, METHOD §7); DMS's on ``Budget(sink, window, 0)`` (its window is the delayed-eviction window);
+    StreamingLLM+'s KL at the streaming budget of the same total B (the window takes the top-k slots, as
+    :func:`kvpop.policies.build_policy` converts it)."""
     t, budget = cfg.train, cfg.budget
     if t.policy == "dms":
         return DMSObjective(Budget(budget.sink, budget.window, 0), t.dms_schedule(), keep_weight=t.dms_keep_weight)
     if t.policy == "streaming":
         return StreamingObjective(Budget(budget.sink, budget.window + budget.topk, 0))
     weight = None if t.loss_weight == "none" else t.loss_weight
-    return Objective(budget, t.recency, beta=t.beta, tau=t.tau, weight=weight, extra_topks=t.extra_topks)
+    return Objective(budget, t.recency, beta=t.beta, tau=t.tau, weight=weight, extra_topks=t.extra_topks,
+                     head_topk=None if allocation is None else allocation.head_topk())
 
 
 def make_spec(cfg: PipelineConfig, targets: TrainInputs, name: str, storage: Path, mlflow_run_id: str, *,
@@ -210,10 +245,12 @@ def make_spec(cfg: PipelineConfig, targets: TrainInputs, name: str, storage: Pat
     """The workers' spec of one training run (the train stage's, or one sweep trial's)."""
     t = cfg.train
     online = isinstance(targets, OnlineSequences)
+    allocation = train_allocation(cfg, targets.identity)
     return TrainSpec(
         run_name=name, run_dir=str(storage / name), base_path=str(cfg.model.resolved_path()),
         base_sha256=targets.identity["teacher"]["weights_sha256"],
-        base_tensors_sha256=tensors_digest(cfg.model.resolved_path(), cfg.home_dir()), objective=objective_of(cfg),
+        base_tensors_sha256=tensors_digest(cfg.model.resolved_path(), cfg.home_dir()),
+        objective=objective_of(cfg, allocation), allocation=allocation,
         policy=t.policy, scorer=t.scorer, scorer_options=dict(t.scorer_options) if t.policy == "kvpop" else {},
         mode=t.mode,
         target_column=store.target_column(cfg.budget.window) if t.policy == "kvpop" and not online else "",

@@ -53,6 +53,7 @@ import torch.distributed as dist
 
 import kvpop
 from kvpop import checkpointing
+from kvpop.allocation import Allocation
 from kvpop.budget import Budget
 from kvpop.objective import METRICS as OBJECTIVE_METRICS
 from kvpop.objective import DMSObjective, Objective, StreamingObjective, student_forward
@@ -109,6 +110,7 @@ class TrainSpec:
     schedule: str = "constant"  # constant | cosine (lr_factor)
     eval_every: int = 0  # held-out evaluation every this many steps on rank 0 (pipelines.heldout); 0 = none
     eval_config: dict = field(default_factory=dict)  # the run's PipelineConfig as a dict, for that evaluation
+    allocation: Allocation | None = None  # per-head budgets (train.allocation, METHOD §7); saved with the final model
 
     @property
     def budget(self) -> Budget:
@@ -127,7 +129,7 @@ def build_student(spec: TrainSpec, device="cpu"):
         kvpop.retrofit(model, spec.budget, scorer=None, policy="streaming")
     else:
         kvpop.retrofit(model, spec.budget, scorer=spec.scorer, policy="kvpop", recency=spec.objective.recency,
-                       scorer_options=dict(spec.scorer_options))
+                       scorer_options=dict(spec.scorer_options), allocation=spec.allocation)
         if spec.init_from:  # fine-tuning: a resumed run's checkpoint replaces these (start_student)
             kvpop.load_scorers(model, spec.init_from)
     trainable_parameters(model, spec.mode)

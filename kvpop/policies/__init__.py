@@ -15,6 +15,9 @@ from kvpop.policies.window_attention import WindowAttention
 
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in (Dense, Streaming, RandomPriority, Oracle, KVpop, TOVA,
                                                                 H2O, DMS, WindowAttention)}
+# the policies that can run under per-head budgets (METHOD §7): static rankings with long-range slots to move
+ALLOCATABLE = tuple(name for name, cls in POLICIES.items()
+                    if not cls.dynamic and not cls.ragged and name not in ("dense", "streaming"))
 
 
 def build_policy(name: str, budget: Budget | None = None, **options) -> Policy:
@@ -33,5 +36,5 @@ def build_policy(name: str, budget: Budget | None = None, **options) -> Policy:
     return POLICIES[name](budget=budget, **options)
 
 
-__all__ = ["POLICIES", "build_policy", "Policy", "StaticPolicy", "DynamicPolicy", "LayerView", "Dense", "Streaming",
-           "RandomPriority", "Oracle", "KVpop", "TOVA", "H2O", "DMS", "WindowAttention"]
+__all__ = ["ALLOCATABLE", "POLICIES", "build_policy", "Policy", "StaticPolicy", "DynamicPolicy", "LayerView", "Dense",
+           "Streaming", "RandomPriority", "Oracle", "KVpop", "TOVA", "H2O", "DMS", "WindowAttention"]
