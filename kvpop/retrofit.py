@@ -404,6 +404,10 @@ def _describe(model: nn.Module) -> dict:
     runtime = runtime_of(model)
     pol = runtime.policy
     budget = pol.budget
+    # per-head budgets (METHOD §7): their allocation is saved beside, as kvpop_allocation.json; named here only then,
+    # so that a uniform model's kvpop.json (and the digest of its folder, which keys its evaluations) stays as it was
+    allocation = {} if pol.head_topk is None else {"allocation": {
+        "file": ALLOCATION_FILE, "mode": runtime.allocation.mode, "mean_budget": runtime.allocation.mean_budget}}
     return {
         "format_version": FORMAT_VERSION,
         "policy": pol.name,
@@ -415,13 +419,11 @@ def _describe(model: nn.Module) -> dict:
         "scorer_window": (scorer_window(model) or (budget and budget.window)) if runtime.scorer_spec else None,
         "streaming_layers": sorted(runtime.streaming_layers),
         "window_attention_prior": runtime.window_attention_prior,
-        # per-head budgets (METHOD §7): their allocation is saved beside, as kvpop_allocation.json
-        "allocation": None if pol.head_topk is None else {"file": ALLOCATION_FILE, "mode": runtime.allocation.mode,
-                                                           "mean_budget": runtime.allocation.mean_budget},
         "num_layers": runtime.num_layers,
         "num_kv_heads": runtime.num_kv_heads,
         "head_dim": runtime.head_dim,
         "base_attn_implementation": runtime.base_attn_implementation,
+        **allocation,
     }
 
 
@@ -569,7 +571,8 @@ def rewindow_scorer_folder(source: str | Path, target: str | Path, budget: Budge
     shutil.copyfile(source / SCORERS_FILE, target / SCORERS_FILE)
     # an allocation belongs to the budget it redistributes: the scorers at another budget run uniform
     meta = {**meta, "budget": {"sink": budget.sink, "window": budget.window, "topk": budget.topk},
-            "scorer_window": budget.window, "allocation": None}
+            "scorer_window": budget.window}
+    meta.pop("allocation", None)
     (target / CONFIG_FILE).write_text(json.dumps(meta, indent=2))
     return target
 

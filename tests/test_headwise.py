@@ -333,6 +333,10 @@ def test_save_and_load_with_the_allocation(tmp_path):
         assert torch.equal(loaded(ids, use_cache=False).logits, before)
     assert (kvpop.teacher_forced_logits(loaded, ids, prefill=11, chunk=7) - before).abs().max() <= 1e-4
 
+    kvpop.set_policy(model, "kvpop", ours.budget)  # uniform: kvpop.json as it was before allocations existed
+    kvpop.save_retrofitted(model, tmp_path / "uniform", base=tmp_path / "base")
+    assert "allocation" not in json.loads((tmp_path / "uniform" / "kvpop.json").read_text())
+    assert not (tmp_path / "uniform" / ALLOCATION_FILE).exists()
     kvpop.set_policy(model, "kvpop", allocation=allocation)  # made for another base: not saved beside this one
     with pytest.raises(AllocationError, match="another base model"):
         kvpop.save_retrofitted(model, tmp_path / "other", base=tmp_path / "base")

@@ -140,3 +140,31 @@ def test_a_crash_point_kills_the_process_only_when_armed(armed):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == (records.CRASH_EXIT_CODE if armed else 0)
     assert ("survived" in proc.stdout) is not armed
+
+
+
+# configs/recipes/smollm2_kvpop.yaml's keys and run names as they were before per-head budgets existed (computed on
+# main at 7d28dfa): a GPU run of the recipe resumes across sessions by them, so the settings added since
+# (train.allocation, eval.allocated, …) must leave them alone at their defaults
+RECIPE_KEYS = {
+    "champ": {"precompute": "f8f4246753d73545", "train": "2ea126ca9396a22c", "evaluate": "43911efde2d37f0f",
+              "run_name": "smollm2-kvpop-champ-mlstm-scorer_only-s4-w256-k252-3d2e65ffcd"},
+    "kernel": {"precompute": "3411abbbc99c8b07", "train": "e13bcca9edb25bc2", "evaluate": "fa6d993517842e78",
+               "run_name": "smollm2-kvpop-kernel-mlstm-scorer_only-s4-w256-k252-e1b1208489"}}
+
+
+def test_the_recipes_keys_do_not_move_with_settings_left_at_their_default(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from pipelines.models import REPO_ROOT
+    from pipelines.recipe import load_recipe
+
+    monkeypatch.setenv("KVPOP_HOME", str(tmp_path))
+    recipe = load_recipe(REPO_ROOT / "configs" / "recipes" / "smollm2_kvpop.yaml")
+    for phase in recipe.phases:
+        cfg = recipe.config(phase)
+        assert cfg.train.allocation == "" and cfg.eval.allocated == ()
+        found = {stage: records.key_for(cfg, stage) for stage in ("precompute", "train", "evaluate")}
+        # the train stage's run name over a stand-in for the online inputs' key (what names the MLflow run)
+        found["run_name"] = train.run_name_of(cfg, SimpleNamespace(key="TARGETS", identity={}))
+        assert found == RECIPE_KEYS[phase.name], phase.name
