@@ -35,6 +35,14 @@ only when the token leaves a sliding window. What follows is the public recipe o
 Memory is ragged: each (layer, KV head) holds its window plus whatever its gates kept, so compare DMS with other
 policies at matched *mean* retained tokens and report the peak (:func:`retained_counts`, :func:`matched_total`,
 ``kvpop.dms_cache``).
+
+**Capped DMS** (ours, issue 43: the comparison at the same reservation). A serving engine reserves a head's peak, so
+at matched *peak* memory DMS runs with a cap of ``C`` slots per (layer, KV head): when a head is full, the kept token
+(``z <= 0``) past the window with the highest eviction logit goes first (ties: the older). That is METHOD §1's rule
+with ``k = C - sink - window`` long-range slots and the static priority ``-z`` — an evicted token (``z > 0``) has
+``-inf`` and never holds a slot, and leaves with its window as before — so ``e[t]`` is the smaller of DMS's and that
+rule's (:func:`capped_eviction_positions`), a head never holds more than ``C``, and a token once evicted never
+returns: the cache reproduces the mask (``kvpop.dms_cache``). The cap is an inference knob of the hard form.
 """
 from __future__ import annotations
 
@@ -47,7 +55,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvpop.attention import NEVER  # eviction position of a token kept for good, as in every retention mask
+from kvpop.budget import Budget
 from kvpop.losses import topk_kl
+from kvpop.retention import eviction_positions as ranked_eviction_positions
 from kvpop.scorers.base import fp32_region
 NO_DECISION = float("-inf")  # decision logit of a token that is never evicted: the last one, sinks, padding
 
@@ -159,6 +169,26 @@ def eviction_positions(decisions: torch.Tensor, positions: torch.Tensor, window:
     return torch.where(decisions > 0, positions + window, NEVER)
 
 
+def capped_keep_priority(decisions: torch.Tensor) -> torch.Tensor:
+    """The static priority the cap ranks kept tokens by: ``-z`` (the lowest eviction logit is kept longest), ``-inf``
+    for a token DMS evicts (``z > 0``: it never holds a long-range slot), ``+inf`` for one with no decision yet."""
+    return torch.where(decisions > 0, float("-inf"), -decisions.float())
+
+
+def capped_eviction_positions(decisions: torch.Tensor, positions: torch.Tensor, sink: int, window: int,
+                              cap: int) -> torch.Tensor:
+    """``e[t]`` of capped DMS (module docstring): the smaller of :func:`eviction_positions` and METHOD §1's rule with
+    ``cap - sink - window`` slots on :func:`capped_keep_priority`. ``decisions [..., N]``, ``positions``
+    broadcastable to it and strictly increasing along the last dim (pads and free slots negative, as in
+    :func:`kvpop.retention.eviction_positions`)."""
+    if isinstance(cap, bool) or not isinstance(cap, int) or cap < sink + window:
+        raise ValueError(f"a DMS cap holds the sinks and the window: it must be an integer >= sink + window = "
+                         f"{sink + window}, got {cap!r}")
+    ranked = ranked_eviction_positions(capped_keep_priority(decisions), Budget(sink, window, cap - sink - window),
+                                       positions=positions.expand(decisions.shape))
+    return torch.minimum(eviction_positions(decisions, positions, window), ranked)
+
+
 def retained_counts(query_pos: torch.Tensor, token_pos: torch.Tensor, evict_pos: torch.Tensor,
                     valid: torch.Tensor) -> torch.Tensor:
     """Tokens visible to each query: ``#{t valid: t <= d < e[t]}`` → ``[..., Q]``, in O((N + Q) log N).
@@ -172,13 +202,17 @@ def retained_counts(query_pos: torch.Tensor, token_pos: torch.Tensor, evict_pos:
     return torch.searchsorted(starts, queries, right=True) - torch.searchsorted(ends, queries, right=True)
 
 
-def retained_per_query(decisions: Sequence[torch.Tensor], window: int) -> torch.Tensor:
+def retained_per_query(decisions: Sequence[torch.Tensor], window: int, *, sink: int = 0,
+                       cap: int = 0) -> torch.Tensor:
     """``[L, B, Hkv, S]``: the tokens each query of unpadded sequences sees, from each layer's hard decision logits
-    ``[B, Hkv, S]`` (``kvpop.collect_priorities`` of a hard DMS forward): what the DMS cache holds query by query."""
+    ``[B, Hkv, S]`` (``kvpop.collect_priorities`` of a hard DMS forward): what the DMS cache holds query by query.
+    ``cap``: capped DMS's (``sink`` its sink), 0 for none."""
     counts = []
     for z in decisions:
         positions = torch.arange(z.shape[-1], device=z.device)
-        counts.append(retained_counts(positions, positions.expand(z.shape), eviction_positions(z, positions, window),
+        evict = capped_eviction_positions(z, positions, sink, window, cap) if cap else \
+            eviction_positions(z, positions, window)
+        counts.append(retained_counts(positions, positions.expand(z.shape), evict,
                                       torch.ones_like(z, dtype=torch.bool)))
     return torch.stack(counts)
 

@@ -12,6 +12,12 @@ leave the window now (``t <= p - window``) free their slots; ``p`` takes a free 
 filled slot. A chunk of several tokens (prefill, chunked prefill) runs as one masked attention over "slots + chunk"
 with DMS's eviction positions, then is compressed back to what its last query sees. Both give exactly the visibility
 of the one-pass mask. The buffer grows with Python-side checks, so this cache is neither compiled nor CUDA-graphed.
+
+**Capped DMS** (``cap`` of the policy, :func:`kvpop.dms.capped_eviction_positions`): the buffer is ``cap`` slots from
+the first token (the reservation, whatever the sequence), each slot keeps its token's decision logit, and when a
+token enters the long-range part (leaves the window) while ``cap - sink - window`` kept tokens are already there, the
+one of the highest logit (ties: the older) is dropped — one per step, as one token enters per step. A chunk ranks its
+candidates by the same rule (the cached tokens hold every token still retained: evicted ones never return).
 """
 from __future__ import annotations
 
@@ -19,7 +25,9 @@ import torch
 
 from kvpop.attention import CHUNK_BACKEND, retention_attention, slot_attention
 from kvpop.cache import LAYER_TYPES, KVpopLayer, _put
-from kvpop.dms import NEVER, decision_logits, retained_counts
+from kvpop.budget import Budget
+from kvpop.dms import NEVER, NO_DECISION, capped_keep_priority, decision_logits, retained_counts
+from kvpop.retention import eviction_positions as ranked_eviction_positions
 from kvpop.policies.base import LayerView
 from kvpop.retention import retained
 
@@ -47,6 +55,8 @@ class DMSLayer(KVpopLayer):
         self.values = value_states.new_zeros(bsz, hkv, 0, value_states.shape[-1])
         self.slot_pos = torch.full((bsz, hkv, 0), -1, dtype=torch.long, device=device)  # -1: free
         self.slot_evict = torch.zeros(bsz, hkv, 0, dtype=torch.bool, device=device)  # decided: leaves with the window
+        # capped DMS: each slot's decision logit z (the cap ranks by -z); nothing without a cap
+        self.slot_logit = torch.zeros(bsz, hkv, 0, device=device) if self.policy.cap else None
         self.seen = torch.zeros(bsz, dtype=torch.long, device=device)  # real tokens per row
         self.retained_sum = torch.zeros(bsz, hkv, dtype=torch.long, device=device)  # Σ over queries of held tokens
         self.retained_max = torch.zeros(bsz, hkv, dtype=torch.long, device=device)
@@ -59,7 +69,8 @@ class DMSLayer(KVpopLayer):
         return self.keys.shape[2] if self.is_initialized else 0
 
     def _batch_tensors(self):
-        return ["keys", "values", "slot_pos", "slot_evict", "seen", "retained_sum", "retained_max", "queries"]
+        return ["keys", "values", "slot_pos", "slot_evict", "seen", "retained_sum", "retained_max", "queries"] \
+            + (["slot_logit"] if self.slot_logit is not None else [])
 
     def nbytes(self) -> dict[str, int]:
         if not self.is_initialized:
@@ -91,12 +102,36 @@ class DMSLayer(KVpopLayer):
     def _decide_previous(self, gate: torch.Tensor, deciding: torch.Tensor) -> None:
         """The gate ``[B, Hkv]`` of token ``seen`` decides token ``seen - 1`` in the rows ``deciding [B]``."""
         previous = self.seen - 1
-        evict = (deciding & (previous >= self.budget.sink))[:, None] & (gate - self.policy.threshold > 0)
-        self.slot_evict |= (self.slot_pos == previous[:, None, None]) & (self.slot_pos >= 0) & evict[..., None]
+        decided = (deciding & (previous >= self.budget.sink))[:, None]
+        z = gate - self.policy.threshold
+        evict = decided & (z > 0)
+        slot = (self.slot_pos == previous[:, None, None]) & (self.slot_pos >= 0)
+        self.slot_evict |= slot & evict[..., None]
+        if self.slot_logit is not None:
+            self.slot_logit = torch.where(slot & decided[..., None], z[..., None].to(self.slot_logit.dtype),
+                                          self.slot_logit)
 
     def _capacity_for(self, needed: int) -> int:
-        """Slots per (row, head) once some holds ``needed``: grown to the next power of two only when full."""
+        """Slots per (row, head) once some holds ``needed``: grown to the next power of two only when full; under a
+        cap, the cap at once (what a serving engine reserves)."""
+        if self.policy.cap:
+            return self.policy.cap
         return self.capacity if needed <= self.capacity else _next_power_of_two(needed)
+
+    def _drop_over_cap(self, position: torch.Tensor, valid: torch.Tensor) -> None:
+        """Capped DMS, at query ``position [B]`` (rows ``valid [B]``): where more than ``cap - sink - window`` kept
+        tokens are past the window, free the one of the highest decision logit (ties: the older)."""
+        b = self.budget
+        eligible = (self.slot_pos >= b.sink) & (self.slot_pos <= (position - b.window)[:, None, None]) \
+            & ~self.slot_evict
+        over = (eligible.sum(-1) > self.policy.cap - b.sink - b.window) & valid[:, None]
+        if not bool(over.any()):
+            return
+        logit = torch.where(eligible, self.slot_logit, float("-inf"))
+        worst = eligible & (logit == logit.amax(-1, keepdim=True))
+        oldest = torch.where(worst, self.slot_pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)
+        drop = torch.zeros_like(eligible).scatter(-1, oldest, True) & over[..., None]
+        self.slot_pos.masked_fill_(drop, -1)
 
     def _reserve(self, needed: int) -> None:
         extra = self._capacity_for(needed) - self.capacity
@@ -107,6 +142,9 @@ class DMSLayer(KVpopLayer):
                                                                     self.values.shape[3])], 2)
         self.slot_pos = torch.cat([self.slot_pos, self.slot_pos.new_full((*self.slot_pos.shape[:2], extra), -1)], 2)
         self.slot_evict = torch.cat([self.slot_evict, self.slot_evict.new_zeros(*self.slot_evict.shape[:2], extra)], 2)
+        if self.slot_logit is not None:
+            self.slot_logit = torch.cat([self.slot_logit, self.slot_logit.new_zeros(*self.slot_logit.shape[:2],
+                                                                                    extra)], 2)
 
     def _record(self, counts: torch.Tensor, valid: torch.Tensor) -> None:
         """Accumulate the retained tokens ``counts [B, Hkv, Q]`` of the real queries ``valid [B, Q]``."""
@@ -123,6 +161,8 @@ class DMSLayer(KVpopLayer):
             & valid[:, None, None]
         self.slot_pos.masked_fill_(leaving, -1)
         self.slot_evict &= ~leaving
+        if self.slot_logit is not None:
+            self._drop_over_cap(position, valid)
         held = (self.slot_pos >= 0).sum(-1) + 1  # after the new token
         self._reserve(int(torch.where(valid[:, None], held, 0).max()))
         target = (self.slot_pos < 0).long().argmax(-1)  # the first free slot
@@ -131,6 +171,8 @@ class DMSLayer(KVpopLayer):
         _put(self.values, target, where, value)
         _put(self.slot_pos, target, where, position[:, None].expand(bsz, hkv))
         _put(self.slot_evict, target, where, torch.zeros(bsz, hkv, dtype=torch.bool, device=key.device))
+        if self.slot_logit is not None:
+            _put(self.slot_logit, target, where, torch.full((bsz, hkv), NO_DECISION, device=key.device))
         self.seen += valid.long()
         filled = self.slot_pos >= 0
         self._record(filled.sum(-1)[..., None], valid[:, None])
@@ -154,6 +196,9 @@ class DMSLayer(KVpopLayer):
         cand_valid = torch.cat([self.slot_pos >= 0, valid[:, None, :].expand(bsz, hkv, chunk)], -1)
         cand_evict = torch.cat([self.slot_evict, decisions > 0], -1)
         evict_pos = torch.where(cand_evict, cand_pos + self.budget.window, NEVER)
+        if self.slot_logit is not None:
+            cand_logit = torch.cat([self.slot_logit, decisions.to(self.slot_logit.dtype)], -1)
+            evict_pos = torch.minimum(evict_pos, self._capped(cand_pos, cand_valid, cand_evict, cand_logit))
         cand_k = torch.cat([self.keys, key_new.to(self.keys.dtype)], 2)
         cand_v = torch.cat([self.values, value_new.to(self.values.dtype)], 2)
         out = retention_attention(query, cand_k, cand_v, q_pos=new_pos, kv_pos=cand_pos, kv_evict=evict_pos,
@@ -168,8 +213,22 @@ class DMSLayer(KVpopLayer):
         self.values = _scatter_slots(cand_v, slot, slots, 0.0)
         self.slot_pos = _scatter_slots(cand_pos, slot, slots, -1)
         self.slot_evict = _scatter_slots(cand_evict, slot, slots, False)
+        if self.slot_logit is not None:
+            self.slot_logit = _scatter_slots(cand_logit, slot, slots, 0.0)
         self.seen += count
         return out
+
+    def _capped(self, cand_pos, cand_valid, cand_evict, cand_logit) -> torch.Tensor:
+        """The cap's eviction positions of a chunk's candidates (cached slots and new tokens), by METHOD §1's rule in
+        position order: free slots and padding sit first and never compete."""
+        b = self.budget
+        pos = torch.where(cand_valid, cand_pos, -1)
+        order = torch.sort(pos, dim=-1, stable=True).indices
+        logit = torch.where(cand_evict, float("inf"), cand_logit)  # an evicted token never holds a slot
+        ranked = ranked_eviction_positions(capped_keep_priority(logit.gather(-1, order)),
+                                           Budget(b.sink, b.window, self.policy.cap - b.sink - b.window),
+                                           positions=pos.gather(-1, order))
+        return torch.empty_like(ranked).scatter_(-1, order, ranked)
 
 
 def cache_stats(cache) -> dict[str, torch.Tensor]:

@@ -14,8 +14,8 @@ import kvpop
 from kvpop import Budget
 from kvpop.attention import retention_attention
 from kvpop.cache import CACHE_KWARG
-from kvpop.dms import (NEVER, CompressionSchedule, decision_logits, dms_loss, eviction_positions, keep_rates, relax,
-                       retained_counts, retained_stats)
+from kvpop.dms import (NEVER, CompressionSchedule, capped_eviction_positions, decision_logits, dms_loss,
+                       eviction_positions, keep_rates, relax, retained_counts, retained_per_query, retained_stats)
 from kvpop.dms_cache import cache_stats
 from kvpop.retention import retained
 from tests.models import dms_model, tiny_model
@@ -228,6 +228,100 @@ def test_save_and_load_keep_the_gates(tmp_path):
 
 
 # -----------------------------------------------------------------------------
+# capped DMS (issue 43): at most `cap` tokens per head, the kept token of the highest logit dropped first
+
+
+def brute_force_capped(gates, sink, window, cap):
+    """``[S, S]`` (query d, token t) by running the capped cache literally, query by query: token ``d`` enters; an
+    evicted token (its gate at ``t + 1`` > 0) leaves with its window; while more than ``cap - sink - window`` kept
+    tokens are past the window, the one of the highest logit leaves (ties: the older)."""
+    size = gates.shape[-1]
+    z = [float(gates[t + 1]) if sink <= t and t + 1 < size else float("-inf") for t in range(size)]
+    held, visible = set(), torch.zeros(size, size, dtype=torch.bool)
+    for d in range(size):
+        held.add(d)
+        held -= {t for t in held if t >= sink and t <= d - window and z[t] > 0}
+        while True:
+            past = [t for t in held if sink <= t <= d - window]
+            if len(past) <= cap - sink - window:
+                break
+            held.remove(max(past, key=lambda t: (z[t], -t)))
+        assert len(held) <= cap
+        visible[d, sorted(held)] = True
+    return visible
+
+
+@pytest.mark.parametrize("sink,window,cap", [(0, 1, 1), (0, 1, 4), (2, 3, 5), (2, 3, 9), (1, 4, 12), (0, 24, 30),
+                                             (3, 2, 40)])
+@pytest.mark.parametrize("mode", ["random", "ties", "all_keep", "all_evict"])
+def test_capped_eviction_matches_the_literal_cache(sink, window, cap, mode):
+    """Heads at the floor (cap = sink + window: streaming), caps that bind, and caps above the length (plain DMS)."""
+    size = 30
+    g = torch.Generator().manual_seed(sink * 100 + window * 10 + cap)
+    gates = {"random": torch.randn(size, generator=g), "ties": torch.randint(-2, 2, (size,), generator=g).float(),
+             "all_keep": -torch.rand(size, generator=g) - 0.1, "all_evict": torch.rand(size, generator=g) + 0.1}[mode]
+    positions = torch.arange(size)
+    z = decision_logits(gates[None], positions, torch.ones(1, size, dtype=torch.bool), sink=sink)[0]
+    evict = capped_eviction_positions(z, positions, sink, window, cap)
+    fast = retained(positions[:, None], positions[None, :], evict[None, :], Budget(sink, window, 0))
+    reference = brute_force_capped(gates, sink, window, cap)
+    assert torch.equal(fast, reference)
+    assert torch.equal(retained_counts(positions, positions, evict, torch.ones(size, dtype=torch.bool)),
+                       reference.sum(-1))
+    if cap >= size:  # a cap that never binds is DMS
+        assert torch.equal(fast, brute_force_visible(gates, sink, window))
+    if cap == sink + window:  # no long-range slot: StreamingLLM's mask
+        assert int(reference.sum(-1).max()) <= cap
+        assert torch.equal(reference, retained(positions[:, None], positions[None, :], positions + window,
+                                               Budget(sink, window, 0)))
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
+def test_capped_cache_decodes_exactly_in_its_reservation(heads):
+    """Decode (steps, chunks) = the capped masked forward, with a cap that binds; the buffer is the cap from the
+    start, its bytes exactly that whatever the length; occupancy never above the cap, the same as the mask's."""
+    budget, cap, size = Budget(1, 6, 0), 12, 40
+    model = dms_model("llama", heads, budget, offset=3.0, seed=2)  # most tokens kept: the cap binds
+    # distinct tokens: the first layer's gates read embeddings, and a repeated token's equal logits would make the
+    # cap's order a tie that one-pass and chunked matmuls may break apart by a rounding error
+    ids = torch.stack([torch.randperm(96)[:size] + 1 for _ in range(2)])
+    assert int(retained_per_query(hard_decisions(model, ids)[0], budget.window).max()) > cap
+    kvpop.set_policy(model, "dms", budget, cap=cap)
+    decisions, one_pass = hard_decisions(model, ids)
+    counts = retained_per_query(decisions, budget.window, sink=budget.sink, cap=cap)
+    assert int(counts.max()) == cap
+    assert (kvpop.teacher_forced_logits(model, ids) - one_pass).abs().max() <= 1e-4
+    assert (kvpop.teacher_forced_logits(model, ids, prefill=13, chunk=6) - one_pass).abs().max() <= 1e-4
+    if heads != "gqa":
+        return
+    rt = model.kvpop_runtime
+    cache = kvpop.KVpopCache(model)
+    with torch.no_grad():
+        for start, end in ((0, 7), *((i, i + 1) for i in range(7, size))):
+            model(ids[:, start:end], use_cache=True, **{CACHE_KWARG: cache})
+            assert all(layer.capacity == cap for layer in cache.layers)
+            assert cache.nbytes()["kv"] == rt.num_layers * 2 * rt.num_kv_heads * cap * rt.head_dim * 2 * 4
+    stats = cache_stats(cache)
+    assert torch.equal(stats["max"], counts.amax(dim=(1, 3)))
+    assert torch.allclose(stats["mean"].float(), counts.float().mean(dim=(1, 3)))
+
+
+def test_capped_batches_with_left_padding_equal_each_row_alone():
+    model = dms_model("qwen3", "gqa", offset=2.0)
+    kvpop.set_policy(model, "dms", BUDGET, cap=9)
+    prompts = [torch.randint(1, 97, (n,)) for n in (5, 18, 11)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    batch = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    for i, prompt in enumerate(prompts):
+        alone = model.generate(input_ids=prompt[None], max_new_tokens=12, do_sample=False)
+        assert torch.equal(batch[i, width:], alone[0, len(prompt):]), f"row {i} differs"
+
+
+# -----------------------------------------------------------------------------
 # the schedule and the objective
 
 
@@ -303,7 +397,10 @@ def test_schedule_longer_than_the_run_is_refused():
 
 @pytest.mark.parametrize("options,match", [({"temperature": 0.0}, "temperature must be > 0"),
                                            ({"temperature": -1.0}, "temperature must be > 0"),
-                                           ({"threshold": float("inf")}, "threshold must be finite")])
+                                           ({"threshold": float("inf")}, "threshold must be finite"),
+                                           ({"cap": 6}, "an integer >= sink \\+ window = 7"),
+                                           ({"cap": 8.0}, "an integer >= sink"),
+                                           ({"cap": 9, "relaxed": True}, "not of the relaxed training form")])
 def test_bad_policy_options_are_refused(options, match):
     with pytest.raises(ValueError, match=match):
         kvpop.build_policy("dms", BUDGET, **options)
@@ -407,5 +504,10 @@ def test_dms_model_on_cuda_matches_cpu_and_decodes_exactly():
             _, one_pass = hard_decisions(model, ids.cuda())
             decoded = kvpop.teacher_forced_logits(model, ids.cuda(), prefill=200)
             assert (decoded - one_pass).abs().max() <= 1e-3
+            kvpop.set_policy(model, "dms", Budget(2, 16, 0), cap=40)  # capped DMS: the flex mask and its cache
+            distinct = torch.stack([torch.randperm(96)[:90] + 1 for _ in range(2)]).cuda()  # no tied gates
+            _, one_pass = hard_decisions(model, distinct)
+            for options in ({"prefill": 60}, {"prefill": 30, "chunk": 16}):
+                assert (kvpop.teacher_forced_logits(model, distinct, **options) - one_pass).abs().max() <= 1e-3
     for cpu, cuda in zip(*results):
         assert (cpu - cuda).abs().max() <= 2e-3 * max(1.0, float(cpu.abs().max()))

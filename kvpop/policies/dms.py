@@ -3,7 +3,9 @@
 ``budget`` is ``Budget(sink, window, 0)``: DMS has no fixed long-range slots, each (layer, KV head) keeps what its
 gates keep. ``relaxed=True`` is the training form (Gumbel-sigmoid gates, ``log(1 - α)`` attention bias); the hard
 form (``relaxed=False``) is what prefill and the cache run. ``threshold`` shifts the hard decision (evict iff
-``logit > threshold``): a knob to trade memory after training. The recency term does not apply (no ranking).
+``logit > threshold``): a knob to trade memory after training; ``cap`` (hard form only) another: at most that many
+tokens per (layer, KV head), a full head dropping its kept token of the highest logit first (capped DMS,
+:func:`kvpop.dms.capped_eviction_positions`). The recency term does not apply (no ranking).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpop.budget import Budget
-from kvpop.dms import NEVER, DMSGate, decision_logits, eviction_positions, relax
+from kvpop.dms import NEVER, DMSGate, capped_eviction_positions, decision_logits, eviction_positions, relax
 from kvpop.policies.base import Policy
 
 
@@ -25,6 +27,7 @@ class DMS(Policy):
     temperature: float = 0.1
     noise: bool = True  # logistic noise in the relaxed form (off: deterministic relaxation)
     threshold: float = 0.0
+    cap: int = 0  # hard form: at most this many tokens per (layer, KV head) (>= sink + window); 0: no cap
     name: ClassVar[str] = "dms"
     ragged: ClassVar[bool] = True
 
@@ -37,6 +40,13 @@ class DMS(Policy):
             raise ValueError(f"dms: temperature must be > 0, got {self.temperature!r}")
         if not math.isfinite(self.threshold):
             raise ValueError(f"dms: threshold must be finite, got {self.threshold}")
+        floor = self.budget.sink + self.budget.window
+        if isinstance(self.cap, bool) or not isinstance(self.cap, int) or not (self.cap == 0 or self.cap >= floor):
+            raise ValueError(f"dms: cap holds the sinks and the window: an integer >= sink + window = {floor} (0: no "
+                             f"cap), got {self.cap!r}")
+        if self.cap and self.relaxed:
+            raise ValueError("dms: the cap is a rule of hard decisions (evaluation, decoding), not of the relaxed "
+                             "training form")
 
     def gate_logits(self, layer) -> torch.Tensor:
         """This call's gate logits ``[B, Hkv, C]`` (one per new token), from the layer's DMS gate."""
@@ -59,4 +69,6 @@ class DMS(Policy):
         token visible with a ``log(1 - α)`` bias past its window; the hard form evicts at ``t + window``."""
         if self.relaxed:
             return torch.full_like(decisions, NEVER, dtype=torch.long), F.logsigmoid(-decisions)
+        if self.cap:
+            return capped_eviction_positions(decisions, positions, self.budget.sink, self.budget.window, self.cap), None
         return eviction_positions(decisions, positions, self.budget.window), None
