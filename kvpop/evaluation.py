@@ -33,7 +33,8 @@ Item-level results, the per-item values evaluation bootstraps:
 * :func:`dms_occupancy`: a DMS model's ragged memory on the held-out sequences — the fixed budget ``B`` it matches
   in *mean* retained tokens (:func:`kvpop.dms.matched_total`), and per (layer, KV head) its mean and max retained
   tokens over the queries ``d >= B`` plus the peak: DMS is compared with fixed-budget policies at that ``B``
-  (``metric_start=B``), its peak stated;
+  (``metric_start=B``), its peak stated; capped DMS (``Setting(..., cap=)``, the row ``dms-cap``) at a given ``B``
+  (``start=``), its peak the cap at most;
 * :func:`generation_items`: per (setting, prompt), the greedy continuation, the tokens until its first divergence
   from dense's, and — with a continuation to teacher-force (dense's own, or a gold answer) — KL(dense ‖ policy) and
   top-1 agreement on it, plus any ``score`` of the policy's logits that predict the continuation's tokens.
@@ -62,7 +63,8 @@ class Setting:
     """One policy at one requested budget (its total names the row; streaming turns it all into window).
     ``recency``: the recency term (METHOD §3) the policy ranks with here; ``anchor_share`` / ``anchor_recency``: its
     anchor slots (METHOD §1); ``None``: the model's own. ``allocation``: per-head budgets redistributing ``budget``
-    (METHOD §7; no anchor slots): the row ``<policy>-H``."""
+    (METHOD §7; no anchor slots): the row ``<policy>-H``. ``cap``: a ragged policy (DMS) holding at most that many
+    tokens per (layer, KV head) (:func:`kvpop.dms.capped_eviction_positions`): the row ``<policy>-cap``."""
 
     policy: str
     budget: Budget | None = None
@@ -70,6 +72,7 @@ class Setting:
     anchor_share: float | None = None
     anchor_recency: float | None = None
     allocation: Allocation | None = None
+    cap: int = 0
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -86,10 +89,14 @@ class Setting:
             self.allocation.check_budget(self.budget)
             if self.anchor_share:
                 raise ValueError(f"{self.key}: anchor slots are not defined under per-head budgets")
+        if self.cap and not POLICIES[self.policy].ragged:
+            raise ValueError(f"{self.policy}: a cap is for a ragged policy (dms); a fixed budget holds its own")
 
     @property
     def name(self) -> str:
-        """The row's name: the policy, ``-H`` under per-head budgets."""
+        """The row's name: the policy, ``-H`` under per-head budgets, ``-cap`` under a cap."""
+        if self.cap:
+            return f"{self.policy}{CAPPED_SUFFIX}"
         return self.policy if self.allocation is None else f"{self.policy}{ALLOCATED_SUFFIX}"
 
     @property
@@ -97,6 +104,8 @@ class Setting:
         """The budget the row runs at, as the tables print it (per-head budgets: their mode and peak)."""
         if self.budget is None:
             return "full"
+        if self.cap:
+            return f"{self.effective} cap {self.cap}"
         if self.allocation is None:
             return str(self.effective)
         return f"{self.effective} {self.allocation.mode} peak {self.allocation.peak_budget}"
@@ -108,6 +117,8 @@ class Setting:
                if getattr(self, name) is not None}
         if self.allocation is not None:
             out.update(allocation=self.allocation, anchor_share=0.0)
+        if self.cap:
+            out["cap"] = self.cap
         return out
 
     @property
@@ -147,6 +158,7 @@ class Setting:
 
 
 ALLOCATED_SUFFIX = "-H"  # a row under per-head budgets (METHOD §7) is its policy's name and this
+CAPPED_SUFFIX = "-cap"  # a ragged policy's row under a cap per (layer, KV head), likewise
 
 
 def settings(policies: Sequence[str], budgets: Sequence[Budget], *, kvpop_recency: float | None = None,
@@ -456,10 +468,10 @@ def teacher_forced_items(model, sequences: Sequence[torch.Tensor], runs: Sequenc
 
 
 @torch.no_grad()
-def dms_occupancy(model, sequences: Sequence[torch.Tensor], *, batch_size: int = 4) -> dict:
-    """A DMS model (hard gates) on equal-length ``sequences``: ``{"B", "mean", "peak", "mean_per_head" [L][Hkv],
-    "max_per_head" [L][Hkv]}`` — ``B`` the fixed budget of the same mean memory, the statistics over the queries
-    ``d >= B``, the positions the metrics count at B."""
+def dms_occupancy(model, sequences: Sequence[torch.Tensor], *, batch_size: int = 4, start: int | None = None) -> dict:
+    """A DMS model (hard gates, capped or not) on equal-length ``sequences``: ``{"B", "mean", "peak", "mean_per_head"
+    [L][Hkv], "max_per_head" [L][Hkv]}`` — ``B`` the fixed budget of the same mean memory (or ``start``, given: the
+    budget the row sits at), the statistics over the queries ``d >= B``, the positions the metrics count at B."""
     policy = runtime_of(model).policy
     if policy.name != "dms" or getattr(policy, "relaxed", False):
         raise ValueError(f"dms_occupancy needs a model under the hard dms policy, not {policy.name!r}")
@@ -468,9 +480,10 @@ def dms_occupancy(model, sequences: Sequence[torch.Tensor], *, batch_size: int =
         ids = torch.stack([torch.as_tensor(sequences[i], dtype=torch.long) for i in rows]).to(device)
         with collect_priorities(model) as collected:
             model(input_ids=ids, use_cache=False)
-        counts.append(retained_per_query([collected[i] for i in sorted(collected)], policy.budget.window))
+        counts.append(retained_per_query([collected[i] for i in sorted(collected)], policy.budget.window,
+                                         sink=policy.budget.sink, cap=policy.cap))
     counts = torch.cat(counts, dim=1)  # [L, N, Hkv, S]
-    total = matched_total(counts, policy.budget.sink + policy.budget.window)
+    total = matched_total(counts, policy.budget.sink + policy.budget.window) if start is None else start
     tail = counts[..., total:]
     return {"B": total, "mean": float(tail.float().mean()), "peak": int(tail.max()),
             "mean_per_head": tail.float().mean(dim=(1, 3)).tolist(), "max_per_head": tail.amax(dim=(1, 3)).tolist()}

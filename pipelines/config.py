@@ -384,7 +384,7 @@ class EvalConfig(OptionalSettings):
 
     # came after evaluations were first recorded
     OPTIONAL: ClassVar[tuple[str, ...]] = ("recency", "anchor_share", "anchor_recency", "read_windows",
-                                           "heldout_sources", "allocated")
+                                           "heldout_sources", "allocated", "capped")
     policies: tuple[str, ...] = ("dense", "streaming", "tova", "h2o", "random", "oracle", "kvpop")
     budgets: tuple[int, ...] = ()  # total budgets B (sink and window of the training budget, topk swept)
     compression_ratios: tuple[float, ...] = (0.75, 0.875, 0.9375, 0.96875)  # CR = 1 - B / seq_len; a CR whose B
@@ -418,6 +418,10 @@ class EvalConfig(OptionalSettings):
     allocated: tuple[str, ...] = ()  # static policies (kvpop, oracle, random, window_attention) also run under
     #     per-head budgets (METHOD §7) at every budget, as rows <policy>-H: allocated from the allocate stage's slot
     #     gains (python -m jobs.allocate first) at each budget's mean, in allocate.mode
+    capped: bool = False  # each ragged trained baseline (DMS) also runs capped (at most C tokens per (layer, KV head),
+    #     its kept token of the highest logit dropped first when full) at its budget B, C = the largest peak of the
+    #     fixed-budget rows there (the -H rows' allocation when eval.allocated, else B): row <name>-cap, the
+    #     comparison at the same reservation (issue 43)
 
     def __post_init__(self):
         _validate_eval(self)
@@ -475,6 +479,10 @@ class PipelineConfig:
         if self.train.allocation == "allocate" and self.train.online:
             raise ConfigError("train.allocation=allocate is made from the stored targets (the allocate stage): with "
                               "train.targets_source=online give an allocation folder instead")
+        if self.eval.allocated and self.train.online:
+            raise ConfigError("eval.allocated allocates from stored targets (the allocate stage), which "
+                              "train.targets_source=online does not make: evaluate the trained model (eval.checkpoint) "
+                              "with train.targets_source=stored after python -m jobs.precompute and jobs.allocate")
         if self.train.allocation == "allocate" and mean != budget.total:
             raise ConfigError(f"train.allocation=allocate trains at the allocate stage's allocation, whose mean is "
                               f"allocate.mean_budget={mean}, not budget.total={budget.total}: set allocate.mean_budget "
@@ -544,6 +552,7 @@ def _validate_eval(ev: "EvalConfig") -> None:
                                                         "add kvpop to eval.policies"),
         (ev.anchor_share is None and ev.anchor_recency is None or "kvpop" in ev.policies,
          "eval.anchor_share / eval.anchor_recency set the kvpop rows' anchor slots: add kvpop to eval.policies"),
+        (not ev.capped or bool(ev.baselines), "eval.capped caps a trained DMS baseline: name it in eval.baselines"),
     ]
     names = [corpus_name(str(s)) for s in ev.heldout_sources]
     checks += [(all(isinstance(s, str) and s for s in ev.heldout_sources), "eval.heldout_sources must be data.source "

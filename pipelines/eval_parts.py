@@ -142,6 +142,11 @@ def describe(cfg: PipelineConfig, p: dict) -> str:
             f"; ragged: mean {o['mean']:.1f} retained tokens per (layer, head) over the queries d >= {o['B']}, so "
             f"its row is at B = {o['B']}; peak {o['peak']}; per (layer, head) means "
             f"{min(min(r) for r in o['mean_per_head']):.1f}-{max(max(r) for r in o['mean_per_head']):.1f}")))
+        c = p.get("capped", {}).get(name)
+        if c is not None:
+            lines.append(f"{name}{runner.CAPPED_SUFFIX}: {name} capped at {c['cap']} tokens per (layer, head) (the "
+                         f"largest peak of the fixed-budget rows at B = {c['B']}; a full head drops its kept token of "
+                         f"the highest eviction logit first): mean {c['mean']:.1f}, peak {c['peak']}")
     if "oracle" in cfg.eval.policies and (p["samples"] or p["problems"]):
         lines.append("oracle in generation: the teacher targets of the prompt + dense's continuation, by position")
     return "\n".join(lines)
@@ -241,19 +246,22 @@ def baseline_items(cfg: PipelineConfig, inputs: dict, name: str, model, referenc
     """A trained baseline's records on the same items as the main model, as rows named ``name``: under its own
     policy at every budget, or — DMS, ragged — once at the budget of its mean memory (``occupancy`` from
     :func:`kvpop.evaluation.dms_occupancy`, whose ``B`` also sets where the text metrics start). Dense is the main
-    model's reference (the original teacher), whose own records the main evaluation already holds."""
+    model's reference (the original teacher), whose own records the main evaluation already holds. An ``occupancy``
+    with a ``cap`` (:func:`pipelines.evaluate.capped_occupancy`): DMS under that cap, as rows ``<name>-cap``."""
     policy = runtime_of(model).policy
+    cap = (occupancy or {}).get("cap", 0)
     if policy.ragged:
-        runs, start = [runner.Setting(policy.name, policy.budget)], occupancy["B"]
+        runs, start = [runner.Setting(policy.name, policy.budget, cap=cap)], occupancy["B"]
     else:
         runs, start = [runner.Setting(policy.name, b) for b in inputs["budgets"]], None
+    row = name + runner.CAPPED_SUFFIX if cap else name
     found, seconds = evaluate_items(cfg, inputs, model, reference, progress=progress, runs=runs, metric_start=start,
-                                    finished=finished, prefix=f"{name}.")
-    records = baseline_rows(found, name)
+                                    finished=finished, prefix=f"{row}.")
+    records = baseline_rows(found, row)
     if policy.ragged:
         for r in records:
-            r.update(B=occupancy["B"], budget=f"{policy.budget} mean {occupancy['mean']:.1f} peak {occupancy['peak']}")
-    return records, {f"{name}.{part}": s for part, s in seconds.items()}
+            r.update(B=occupancy["B"], budget=f"{runs[0].label} mean {occupancy['mean']:.1f} peak {occupancy['peak']}")
+    return records, {f"{row}.{part}": s for part, s in seconds.items()}
 
 
 def baseline_rows(found: list[dict], name: str) -> list[dict]:

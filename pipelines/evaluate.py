@@ -34,7 +34,14 @@ same items under its own policy (:func:`pipelines.eval_parts.baseline_items`) ag
 rows of its own in the tables, paired differences and figures. DMS keeps a ragged number of tokens per head: its row
 sits at the budget ``B`` of its mean retained tokens on the held-out sequences (:func:`kvpop.evaluation.dms_occupancy`,
 added to the budgets, so that every policy has a paired row there); ``metrics.json`` ``summary.occupancy`` holds its
-per (layer, head) mean and max and its peak.
+per (layer, head) mean and max and its peak. ``eval.capped``: DMS again at that ``B``, capped at the largest peak of
+the fixed-budget rows there (``<name>-cap``: at most that many tokens per (layer, KV head); its occupancy in
+``summary.capped``), so that it is also compared at the same reservation.
+
+**Per-head budgets** (``eval.allocated``, METHOD §7): those static policies again at every budget under the allocate
+stage's allocation at that mean (``<policy>-H``), beside their uniform rows. Every row's memory is reported two ways
+(``summary.memory``, the memory table): the mean tokens per (layer, KV head) over the counted queries (what "matched
+at B" matches) and the peak (what a serving engine reserves per head).
 """
 from __future__ import annotations
 
@@ -189,6 +196,8 @@ def plan(cfg: PipelineConfig) -> dict:
     if cfg.eval.allocated:  # likewise
         identity["allocated"] = {"policies": list(cfg.eval.allocated), "mode": cfg.allocate.mode,
                                  "gains_sha256": allocation_stage.gains_digest(cfg)}
+    if cfg.eval.capped:  # likewise
+        identity["capped"] = True
     if cfg.eval.baselines:  # likewise
         identity["baselines"] = {}
         for name, folder in cfg.eval.baselines.items():
@@ -229,6 +238,7 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
     unreachable = [*p["identity"]["unreachable"], *matched_unreachable]
     p["allocations"] = (allocation_stage.allocations_at(cfg, [b.total for b in p["budgets"]])
                         if cfg.eval.allocated else {})
+    p["capped"] = capped_occupancy(cfg, p, baselines)
     p["evicting"] = {b.total: runner.evicting_share([len(ids) for ids in p["prompts"]], cfg.eval.generation_tokens,
                                                     b.total) for b in p["budgets"]} if p["prompts"] else {}
     finished = eval_parts.FinishedParts(parts_dir(out))
@@ -244,6 +254,11 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
                                                      p["occupancy"].get(name), progress=progress, finished=finished)
             items += found
             seconds.update(spent)
+            if name in p["capped"]:
+                found, spent = eval_parts.baseline_items(cfg, p, name, baseline, reference or model,
+                                                         p["capped"][name], progress=progress, finished=finished)
+                items += found
+                seconds.update(spent)
     budgets = [{"B": b.total, "CR": 1 - b.total / p["seq_len"], "budget": str(b)} for b in p["budgets"]]
     summary = report.summarize([r for r in items if "corpus" not in r], budgets, resamples=cfg.eval.resamples,
                                seed=cfg.data.seed)
@@ -252,6 +267,8 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
             [r for r in items if r.get("corpus") == name], budgets, resamples=cfg.eval.resamples, seed=cfg.data.seed)}
             for name, c in p["corpora"].items()}
     summary["occupancy"] = p["occupancy"]
+    if p["capped"]:
+        summary["capped"] = p["capped"]
     summary["memory"] = memory_rows(cfg, p, baselines)
     labels = {(r["policy"], r["B"]): r["budget"] for r in items if r["part"] == "text" and "corpus" not in r}
     text = eval_parts.describe(cfg, p) + "\n" + report.format_report(summary, budgets, labels=labels,
@@ -290,11 +307,36 @@ def memory_rows(cfg: PipelineConfig, p: dict, baselines: dict) -> list[dict]:
     for name, model in baselines.items():
         policy = runtime_of(model).policy
         if policy.ragged:
-            o = p["occupancy"][name]
-            out.append({"policy": name, "B": o["B"], "mean": o["mean"], "peak": o["peak"]})
+            for row, o in ((name, p["occupancy"][name]), (name + runner.CAPPED_SUFFIX, p["capped"].get(name))):
+                if o is not None:
+                    out.append({"policy": row, "B": o["B"], "mean": o["mean"], "peak": o["peak"]})
         else:
             out += [{"policy": name, "B": b.total, **runner.Setting(policy.name, b).memory(seq_len, b.total)}
                     for b in p["budgets"]]
+    return out
+
+
+def capped_occupancy(cfg: PipelineConfig, p: dict, baselines: dict) -> dict:
+    """``eval.capped``: ``{baseline name: {"cap", "B", "mean", "peak", …}}`` for each ragged baseline — its cap the
+    largest peak of the fixed-budget rows at its budget ``B`` (the allocation's at that mean when ``eval.allocated``,
+    else ``B``), its occupancy under the cap over the queries ``d >= B`` (:func:`kvpop.evaluation.dms_occupancy`)."""
+    if not cfg.eval.capped:
+        return {}
+    out = {}
+    for name, model in baselines.items():
+        policy = runtime_of(model).policy
+        if not policy.ragged:
+            continue
+        total = p["occupancy"][name]["B"]
+        allocation = p["allocations"].get(total)
+        cap = max(total, allocation.peak_budget if allocation is not None else total)
+        with runner.applied(model, runner.Setting(policy.name, policy.budget, cap=cap)):
+            out[name] = {"cap": cap, **runner.dms_occupancy(model, [torch.tensor(s["input_ids"]) for s in
+                                                                    p["sequences"]],
+                                                            batch_size=cfg.eval.batch_size, start=total)}
+    if not out:
+        raise ConfigError("eval.capped caps a ragged trained baseline (DMS), and eval.baselines holds none: drop "
+                          "eval.capped or add the DMS model")
     return out
 
 

@@ -3,9 +3,11 @@
 **The file** is a pipeline config (every section of :class:`pipelines.config.PipelineConfig`: the shared base) plus
 
 * ``phases:`` — a list, run in order, each ``{name, set: {dotted key: value}, init_from: <an earlier phase's name>,
-  evaluate: true|false}``. A phase's config is the base with its ``set`` applied, named ``<name>-<phase name>``;
-  ``init_from`` makes the phase start its scorers from that phase's final model, found through that phase's
-  train record (:mod:`pipelines.records`) once it has trained — never a path written by hand. ``evaluate: false``
+  baselines: {row name: <an earlier phase's name>}, evaluate: true|false}``. A phase's config is the base with its
+  ``set`` applied, named ``<name>-<phase name>``; ``init_from`` makes the phase start its scorers from that phase's
+  final model, found through that phase's train record (:mod:`pipelines.records`) once it has trained — never a path
+  written by hand; ``baselines`` likewise makes earlier phases' final models rows of this phase's evaluation
+  (``eval.baselines``: a DMS or a uniformly trained KVpop beside the model of this phase). ``evaluate: false``
   skips the evaluate stage of a phase whose model only feeds the next one (default true).
 * ``inputs:`` — optional, ``{path: the command that makes it}``: files the recipe reads but cannot make (a corpus
   built from a Debian package). A missing one is refused before any stage runs, in one line naming its command.
@@ -39,7 +41,8 @@ from pipelines.identity import teacher_identity
 from pipelines.schema import parse_override, set_path
 from pipelines.train_worker import trained_steps
 
-PHASE_KEYS = ("name", "set", "init_from", "evaluate")
+PHASE_KEYS = ("name", "set", "init_from", "baselines", "evaluate")
+EARLIER = "phase:"  # eval.baselines.<row> of a phase whose baselines phase has not trained yet (checking only)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Phase:
     init_from: str | None  # an earlier phase whose final model this phase's scorers start from
     evaluate: bool
     command_line: dict[str, Any] = dataclasses.field(default_factory=dict)  # --set phases.<name>.<key>=value
+    baselines: dict[str, str] = dataclasses.field(default_factory=dict)  # eval.baselines row → an earlier phase
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,11 @@ class Recipe:
     inputs: dict[str, str]  # path → the command that makes it
     command_line: dict[str, Any] = dataclasses.field(default_factory=dict)  # --set key=value: every phase
 
-    def config(self, phase: Phase, init_from: str | Path | None = None) -> PipelineConfig:
+    def config(self, phase: Phase, init_from: str | Path | None = None,
+               baselines: dict[str, str | Path] | None = None) -> PipelineConfig:
         """``phase``'s config: the base, the phase's ``set``, the command line's every-phase then this phase's
-        overrides (the command line wins), its name; ``train.init_from`` = ``init_from``."""
+        overrides (the command line wins), its name; ``train.init_from`` = ``init_from``; ``eval.baselines.<row>`` =
+        ``baselines[row]``, the final models of the phase's ``baselines`` (``phase:<name>`` until they exist)."""
         tree = copy.deepcopy(self.base)
         for overrides in (phase.overrides, self.command_line, phase.command_line):
             for key, value in overrides.items():
@@ -69,6 +75,8 @@ class Recipe:
         tree["name"] = f"{self.name}-{phase.name}"
         if init_from is not None:
             set_path(tree, "train.init_from", str(init_from))
+        for row, earlier in phase.baselines.items():
+            set_path(tree, f"eval.baselines.{row}", str((baselines or {}).get(row, EARLIER + earlier)))
         try:
             return config_from_dict(tree)
         except ConfigError as err:
@@ -120,7 +128,12 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         evaluate = raw.get("evaluate", True)
         if not isinstance(evaluate, bool):
             raise ConfigError(f"{path}: phase {raw['name']}: evaluate must be true or false")
-        phases.append(Phase(raw["name"], dict(sets), start, evaluate))
+        rows = raw.get("baselines") or {}
+        if not isinstance(rows, dict) or not all(isinstance(v, str) and v in {p.name for p in phases}
+                                                 for v in rows.values()):
+            raise ConfigError(f"{path}: phase {raw['name']}: baselines maps row names to earlier phases' names "
+                              f"({', '.join(p.name for p in phases) or 'none before it'})")
+        phases.append(Phase(raw["name"], dict(sets), start, evaluate, baselines={str(k): v for k, v in rows.items()}))
     names = {p.name for p in phases}
     every: dict[str, Any] = {}
     for item in overrides:
@@ -182,7 +195,7 @@ def needs_allocation(cfg: PipelineConfig) -> bool:
 
 
 def run_pipeline(cfg: PipelineConfig, *, evaluate_model: bool = True, label: str = "") -> dict:
-    """One config through precompute → [allocate →] [sweep →] train → [evaluate], each stage resuming (allocate when
+    """One config through precompute → [sweep →] [allocate →] train → [evaluate], each stage resuming (allocate when
     :func:`needs_allocation`); a config whose training is already recorded as finished goes straight to evaluation.
     Returns ``{"model_dir", "mlflow_run_id", "evaluations"}``."""
 
@@ -206,16 +219,16 @@ def run_pipeline(cfg: PipelineConfig, *, evaluate_model: bool = True, label: str
             say(f"1/{stages} precompute teacher targets")
             targets = precompute.run(cfg)
             say(f"    {targets.path} ({targets.shards} shards, {targets.computed} computed now)")
-        if needs_allocation(cfg):
-            made = allocate.run(cfg)
-            say(f"    allocation {made.path} ({made.allocation.mode}, mean B {made.allocation.mean_budget}, peak "
-                f"{made.allocation.peak_budget})")
-        if cfg.sweep.in_pipeline:
+        if cfg.sweep.in_pipeline:  # its trials allocate for themselves (pipelines.sweep.allocate_trials)
             say(f"2/{stages} sweep")
             swept = sweep.run(cfg)
             cfg = swept.best_config
             say(f"    best config {swept.best_path}: scorer {cfg.train.scorer}, lr {cfg.train.lr:g}, budget "
                 f"{cfg.budget}")
+        if needs_allocation(cfg):  # the config that trains (the sweep's best, if any) and is evaluated
+            made = allocate.run(cfg)
+            say(f"    allocation {made.path} ({made.allocation.mode}, mean B {made.allocation.mean_budget}, peak "
+                f"{made.allocation.peak_budget})")
         say(f"{2 + cfg.sweep.in_pipeline}/{stages} train the scorers")
         trained = train.run(cfg)
         say(f"    {trained.model_dir}")
@@ -236,7 +249,8 @@ def run(recipe: Recipe) -> list[dict]:
     start = time.perf_counter()
     for i, phase in enumerate(recipe.phases):
         init_from = results[phase.init_from]["model_dir"] if phase.init_from else None
-        cfg = recipe.config(phase, init_from)
+        cfg = recipe.config(phase, init_from, {row: results[earlier]["model_dir"]
+                                               for row, earlier in phase.baselines.items()})
         label = f" phase {i + 1}/{len(recipe.phases)} {phase.name}:"
         print(f"[kvpop]{label} {'scorers from phase ' + phase.init_from + ' ' + str(init_from) if init_from else ''}"
               .rstrip(), flush=True)

@@ -71,6 +71,8 @@ def variants(cfg: PipelineConfig) -> list[dict[str, Any]]:
     ``train.lr`` is absent when ``sweep.lr_range`` samples it (:func:`trial_overrides` adds the draw).
     ``train.policy`` may be a grid key: a ``dms`` or ``streaming`` point trains no scorer, so it runs once whatever
     ``sweep.scorers`` holds, and ``sweep.metric`` must be one its objective reports (``loss``, ``kl``).
+    ``allocate.mode`` applies to the points that train at an allocation (``train.allocation``): a uniform point runs
+    once, without it.
     """
     sw = cfg.sweep
     scorers = sw.scorers or (cfg.train.scorer,)
@@ -85,6 +87,10 @@ def variants(cfg: PipelineConfig) -> list[dict[str, Any]]:
             point["train.lr"] = float(lr)
         point.update({"budget.sink": int(budget[0]), "budget.window": int(budget[1]), "budget.topk": int(budget[2])})
         point.update(dict(zip(grid_keys, extra)))
+        if not point.get("train.allocation", cfg.train.allocation):  # a uniform point: no allocation mode to vary
+            point.pop("allocate.mode", None)
+            if point in out:
+                continue
         policy = point.get("train.policy", cfg.train.policy)
         if sw.metric not in OBJECTIVE_METRICS.get(policy, (sw.metric,)):  # an unknown policy: the trial config says
             raise ConfigError(f"sweep.metric={sw.metric} is not reported by train.policy={policy} (it reports "
@@ -108,13 +114,16 @@ def trial_overrides(config: dict) -> dict[str, Any]:
 
 
 def variant_label(overrides: dict[str, Any]) -> str:
-    """``mlp-s4-w16-k8-lr0.01`` (+ ``-beta0.5`` … for grid keys): a readable trial name."""
+    """``mlp-s4-w16-k8-lr0.01`` (+ ``-beta0.5`` … for grid keys; ``-H-per_layer`` for a trial at the allocate
+    stage's allocation in that mode, ``-uniform`` for one beside them): a readable trial name."""
     parts = [str(overrides["train.scorer"]),
              f"s{overrides['budget.sink']}-w{overrides['budget.window']}-k{overrides['budget.topk']}"]
     if "train.lr" in overrides:
         parts.append(f"lr{overrides['train.lr']:.3g}")
     for key, value in overrides.items():
-        if key.startswith("train.") and key not in ("train.scorer", "train.lr"):
+        if key == "train.allocation":
+            parts.append("uniform" if not value else "H" if value == "allocate" else f"H{Path(value).name}")
+        elif key.startswith("train.") and key not in ("train.scorer", "train.lr"):
             parts.append(f"{key.split('.', 1)[1]}{value}")
         elif key == "allocate.mode":
             parts.append(str(value))

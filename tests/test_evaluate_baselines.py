@@ -66,6 +66,15 @@ def test_dms_occupancy_matches_the_hard_mask(tokenizer):  # noqa: F811
     counts = retained_per_query([collected[i] for i in range(2)], 8)[..., occupancy["B"]:]
     assert occupancy["peak"] == int(counts.max()) and occupancy["mean"] == pytest.approx(float(counts.float().mean()))
     assert 10 <= occupancy["B"] < SEQ and len(occupancy["mean_per_head"]) == 2
+    # capped DMS at a given B: its occupancy under the cap over the same queries, never above it
+    cap = occupancy["peak"] - 2
+    kvpop.set_policy(model, "dms", Budget(2, 8, 0), cap=cap)
+    capped = dms_occupancy(model, sequences, batch_size=2, start=occupancy["B"])
+    with kvpop.collect_priorities(model) as collected, torch.no_grad():
+        model(torch.stack(sequences), use_cache=False)
+    held = retained_per_query([collected[i] for i in range(2)], 8, sink=2, cap=cap)[..., occupancy["B"]:]
+    assert capped["B"] == occupancy["B"] and capped["peak"] == int(held.max()) == cap
+    assert capped["mean"] == pytest.approx(float(held.float().mean())) and capped["mean"] < occupancy["mean"]
     kvpop.set_policy(model, "streaming", Budget(2, 8, 0))
     with pytest.raises(ValueError, match="hard dms policy"):
         dms_occupancy(model, sequences)

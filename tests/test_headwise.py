@@ -189,10 +189,10 @@ def test_objective_trains_the_allocated_heads():
 
 
 # ---------------------------------------------------------------------------------------------- 3-4. cache, invariants
-def headwise_model(arch, heads, policy, *, seed=0, mode="per_head", layers=2, mean_topk=6):
+def headwise_model(arch, heads, policy, *, seed=0, mode="per_head", layers=2, mean_topk=6, seq_len=48):
     model = tiny_model(arch, heads, layers=layers)
     allocation = random_allocation(layers, model.config.num_key_value_heads, mean_topk=mean_topk, seed=seed,
-                                   mode=mode)
+                                   mode=mode, seq_len=seq_len)
     name, _, scorer = policy.partition(":")
     kvpop.retrofit(model, None, scorer=scorer or ("mlp" if name == "kvpop" else None), policy=name,
                    allocation=allocation)
@@ -219,6 +219,22 @@ def test_decode_equals_masked_forward(arch, heads, policy):
     assert (stepwise - one_pass).abs().max() <= 1e-4
     assert (prefill_then_decode - one_pass).abs().max() <= 1e-4
     assert (chunked - one_pass).abs().max() <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled FlexAttention needs a GPU")
+@pytest.mark.parametrize("heads", ["gqa", "mha"])
+def test_on_cuda_the_flex_mask_is_the_cpus_and_decodes_exactly(heads):
+    """Per-head budgets on CUDA: the compiled flex mask over heads of mixed budgets (a head at the floor, one holding
+    every token) gives the CPU's logits, and decoding through the cache (prefill, chunks, steps) the masked forward."""
+    model, _ = headwise_model("qwen3", heads, "kvpop:mlstm", seed=7, mean_topk=120, seq_len=300)
+    ids = torch.randint(1, 97, (2, 300))
+    with torch.no_grad():
+        cpu = model(ids, use_cache=False).logits
+        model.cuda()
+        one_pass = model(ids.cuda(), use_cache=False).logits
+    assert (one_pass.cpu() - cpu).abs().max() <= 2e-3
+    for options in ({"prefill": 200}, {"prefill": 100, "chunk": 64}):
+        assert (kvpop.teacher_forced_logits(model, ids.cuda(), **options) - one_pass).abs().max() <= 1e-3, options
 
 
 @pytest.mark.parametrize("mode", ["per_head", "per_layer"])

@@ -97,7 +97,8 @@ SEQ = 48
 
 @pytest.fixture
 def evaluation(smollm2_dir, tmp_path, monkeypatch):
-    """A tiny retrofitted checkpoint, five held-out sequences, and an allocate record whose gains favour one head."""
+    """A tiny retrofitted checkpoint, a DMS baseline (random gates), five held-out sequences, and an allocate record
+    whose gains favour one head."""
     from transformers import AutoTokenizer
 
     from pipelines import allocate as stage
@@ -106,6 +107,11 @@ def evaluation(smollm2_dir, tmp_path, monkeypatch):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
     model = kvpop.retrofit(tiny_model("llama", "gqa", vocab=len(tokenizer)), Budget(2, 8, 14), scorer="mlp")
     checkpoint = kvpop.save_retrofitted(model, tmp_path / "trained", tokenizer)
+    dms = kvpop.retrofit(tiny_model("llama", "gqa", vocab=len(tokenizer), seed=1), Budget(2, 8, 0), scorer="dms",
+                         policy="dms", scorer_options={"scale": 1.0, "offset": 2.0})
+    for gate in kvpop.scorers(dms):
+        gate.proj.weight.data.normal_(generator=torch.Generator().manual_seed(3))
+    kvpop.save_retrofitted(dms, tmp_path / "dms", tokenizer)
     g = torch.Generator().manual_seed(0)
     heldout = [{"id": f"eval-{i:06d}", "input_ids": torch.randint(3, 2000, (SEQ,), generator=g).tolist(), "docs": []}
                for i in range(5)]
@@ -119,9 +125,10 @@ def evaluation(smollm2_dir, tmp_path, monkeypatch):
                  "policies": ["dense", "streaming", "oracle", "kvpop"], "allocated": ["kvpop", "oracle"],
                  "tasks": ["niah_single"], "task_contexts": [128], "task_depths": [0.5], "task_samples": 1,
                  "task_min_dense": 0.0, "max_new_tokens": 3, "generation_prompts": 0, "batch_size": 2,
-                 "generation_batch_size": 2, "resamples": 200, "dynamic_sequences": 0}})
+                 "generation_batch_size": 2, "resamples": 200, "dynamic_sequences": 0,
+                 "baselines": {"dms": str(tmp_path / "dms")}, "capped": True}})
     slots = SEQ - 10
-    scale = torch.tensor([[4.0, 1.0], [0.5, 2.0]], dtype=torch.float64)  # [L, Hkv]: unequal heads
+    scale = torch.tensor([[1.6, 1.0], [0.8, 1.2]], dtype=torch.float64)  # [L, Hkv]: unequal heads
     gains = scale[..., None] * torch.linspace(1.0, 0.01, slots, dtype=torch.float64)
     budgets = allocate(gains, sink=2, window=8, mean_budget=24)
     made = Allocation.from_tensor(budgets, mean_budget=24, sink=2, window=8, seq_len=SEQ, mode="per_head",
@@ -138,7 +145,8 @@ def evaluation(smollm2_dir, tmp_path, monkeypatch):
 def test_the_evaluation_adds_allocated_rows_and_reports_memory_two_ways(evaluation):
     """``eval.allocated``: kvpop-H and oracle-H at every budget (allocated from the record's gains at each mean),
     compared with their uniform rows, recall cells for them too, and a memory table where -H holds the same mean
-    and a larger peak; without an allocate record, one line."""
+    and a larger peak; ``eval.capped``: DMS again at its matched budget, capped at the -H rows' peak there (dms-cap),
+    paired with kvpop-H at the same reservation; without an allocate record, one line."""
     from pipelines import evaluate as E
 
     cfg, gains = evaluation
@@ -160,8 +168,22 @@ def test_the_evaluation_adds_allocated_rows_and_reports_memory_two_ways(evaluati
     assert memory[("kvpop-H", 24)]["peak"] == int(allocate(gains, sink=2, window=8, mean_budget=24).max()) > 24
     assert memory[("kvpop-H", 24)]["mean"] <= 24 and memory[("dense", 24)]["peak"] == SEQ
     assert "memory per (layer, KV head)" in result.text and "kvpop-H, oracle-H: the same policies" in result.text
+
+    matched = result.summary["occupancy"]["dms"]["B"]
+    capped = result.summary["capped"]["dms"]
+    peak = int(allocate(gains, sink=2, window=8, mean_budget=matched).max())
+    assert capped["B"] == matched and capped["cap"] == max(peak, matched) >= capped["peak"]
+    assert memory[("dms-cap", matched)]["peak"] == capped["peak"] <= memory[("kvpop-H", matched)]["peak"]
+    assert memory[("dms-cap", matched)]["mean"] < memory[("dms", matched)]["mean"]
+    assert capped["peak"] == capped["cap"] < result.summary["occupancy"]["dms"]["peak"]  # the cap binds
+    cap_rows = [r for r in found if r["policy"] == "dms-cap"]
+    assert {r["part"] for r in cap_rows} == {"text", "recall"} and {r["B"] for r in cap_rows} == {matched}
+    assert all(r["budget"].startswith(f"s2-w8-k0 cap {capped['cap']}") for r in cap_rows)
+    assert any(d["policy"] == "kvpop-H" and d["vs"] == "dms-cap" and d["B"] == matched for d in diffs)
+    assert f"dms-cap: dms capped at {capped['cap']} tokens" in result.text
     identity = json.loads((result.output_dir / "config.json").read_text())
     assert identity["allocated"]["policies"] == ["kvpop", "oracle"] and len(identity["allocated"]["gains_sha256"]) == 64
+    assert identity["capped"] is True
 
     bare = config_from_dict({**cfg.to_dict(), "home": str(cfg.home_dir().parent / "elsewhere")})
     with pytest.raises(ConfigError, match="eval.allocated: no allocation .* run the allocate stage first"):
@@ -182,3 +204,40 @@ def test_report_pairs_allocated_rows_with_their_uniform_rows():
     table = report.format_memory([{"policy": "kvpop-H", "B": 8, "mean": 7.5, "peak": 13},
                                   {"policy": "dms", "B": 8, "mean": 8.0, "peak": 16}])
     assert "kvpop-H" in table and "13" in table and "peak" in table
+
+
+# ---------------------------------------------------------------------------------------------- the sweep
+def test_the_sweep_crosses_allocation_mode_with_mean_budget(tiny_setup, tmp_path):
+    """``sweep.grid`` ``train.allocation`` × ``allocate.mode`` with ``sweep.budgets``: one uniform trial per budget and
+    one per (mode, budget), each trial allocated by the driver before Tune at its own mean, in its own mode, and
+    training at it (its spec's objective, its own run name)."""
+    from pipelines import sweep, train
+    from tests.pipeline_helpers import tiny_config
+    from tests.test_allocation import _store_targets
+
+    home = tmp_path / "home"
+    grid = ["sweep.scorers=[mlp]", "sweep.lrs=[0.01]", "sweep.budgets=[[4, 8, 12], [4, 8, 20]]",
+            "sweep.grid={train.allocation: ['', allocate], allocate.mode: [per_head, per_layer]}",
+            "allocate.query_stride=4", "sweep.steps=2", "sweep.grace_period=1"]
+    cfg = tiny_config(tiny_setup, home, *grid)
+    _store_targets(cfg, rows=4)
+    plan = sweep.plan(cfg)
+    labels = [sweep.variant_label(p) for p in plan.variants]
+    assert labels == ["mlp-s4-w8-k12-lr0.01-uniform", "mlp-s4-w8-k12-lr0.01-H-per_head",
+                      "mlp-s4-w8-k12-lr0.01-H-per_layer", "mlp-s4-w8-k20-lr0.01-uniform",
+                      "mlp-s4-w8-k20-lr0.01-H-per_head", "mlp-s4-w8-k20-lr0.01-H-per_layer"]
+    made = sweep.allocate_trials(plan)
+    assert [(m.allocation.mean_budget, m.allocation.mode) for m in made] == [
+        (24, "per_head"), (24, "per_layer"), (32, "per_head"), (32, "per_layer")]
+    for m in made:
+        grid_ = m.allocation.tensor()
+        assert int(grid_.sum()) == grid_.numel() * m.allocation.mean_budget
+        if m.allocation.mode == "per_layer":
+            assert all(len(set(row)) == 1 for row in m.allocation.budgets)
+    assert len({m.path for m in made}) == 4
+    trials = [sweep.apply_overrides(plan.base, p) for p in plan.variants]
+    targets = train.open_inputs(trials[1])
+    names = {train.run_name_of(t, targets) for t in trials}
+    assert len(names) == 6
+    assert train.make_spec(trials[4], targets, "t", tmp_path, "").objective.head_topk == made[2].allocation.head_topk()
+    assert train.make_spec(trials[3], targets, "t", tmp_path, "").objective.head_topk is None

@@ -114,3 +114,28 @@ def test_the_smollm2_recipe_is_its_two_phases():
     assert [getattr(wide.data, k) for k in same] == [getattr(kernel.data, k) for k in same]
     assert wide.precompute.target_options() == kernel.precompute.target_options()
     assert not recipe.phases[0].evaluate and recipe.phases[1].evaluate
+
+
+def test_the_headwise_recipe_compares_per_head_budgets_with_dms_at_both_accountings():
+    """configs/recipes/smollm2_headwise.yaml (issue 43's GPU comparison): per CR a DMS and a uniform KVpop phase
+    (not evaluated), then the scorer trained at the allocation, evaluated with -H rows, both as rows and DMS capped;
+    DMS's keep-rate that of mean memory B (research/baselines_h200.py's rule)."""
+    from pipelines.recipe import load_recipe
+    from research.baselines_h200 import dms_keep_rate
+
+    recipe = load_recipe(REPO_ROOT / "configs" / "recipes" / "smollm2_headwise.yaml")
+    by_name = {p.name: p for p in recipe.phases}
+    assert list(by_name) == ["dms87", "uniform87", "headwise87", "dms94", "uniform94", "headwise94"]
+    for cr, total in (("87", 512), ("94", 256)):
+        dms, uniform, headwise = (recipe.config(by_name[f"{kind}{cr}"]) for kind in ("dms", "uniform", "headwise"))
+        assert {c.budget.total for c in (dms, uniform, headwise)} == {total} and headwise.data.seq_len == 4096
+        assert 1 - total / 4096 in (0.875, 0.9375) and headwise.budget.window in headwise.precompute.windows
+        assert dms.train.policy == "dms" and dms.train.dms_keep_rate == pytest.approx(
+            dms_keep_rate(total, 4, 128, 4096), abs=1e-5)
+        assert (uniform.train.allocation, headwise.train.allocation) == ("", "allocate")
+        assert uniform.train.optimisation() == {k: v for k, v in headwise.train.optimisation().items()
+                                                if k != "allocation"}  # the same training but for the allocation
+        assert headwise.eval.allocated == ("kvpop", "oracle") and headwise.eval.capped
+        assert headwise.eval.baselines == {"dms": f"phase:dms{cr}", "kvpop_uniform": f"phase:uniform{cr}"}
+        assert headwise.eval.heldout_sources == ("stdlib",) and headwise.data.eval_sequences == 64
+        assert not by_name[f"dms{cr}"].evaluate and not by_name[f"uniform{cr}"].evaluate

@@ -126,6 +126,7 @@ def test_bad_recipes_are_refused_in_one_line(tiny_setup, tmp_path, capsys):
              ([{"name": "a", "set": {"train.nope": 1}}], (), "phase a: "),
              ([{"name": "a", "set": {"train.init_from": "x"}, "init_from": "a"}], (), "is not an earlier phase"),
              ([], (), "phases must be a non-empty list"),
+             ([{"name": "a", "baselines": {"dms": "b"}}, {"name": "b"}], (), "baselines maps row names to earlier"),
              (good, ("phases.c.train.steps=3",), "names a phase of"),
              (good, ("phases.b.evaluate=3",), "a phase's evaluate is true or false"),
              (good, ("phases.b.train.steps=0",), "phase b: train.steps and train.batch_size must be >= 1")]
@@ -151,6 +152,13 @@ def test_phase_overrides_and_names(tiny_setup, tmp_path):
     assert (a.train.steps, b.train.steps) == (2, 7) and b.train.init_from == "/somewhere"
     with pytest.raises(ConfigError):
         load_recipe(tmp_path / "r.yaml", ["phases.first.train.lr=-1"])
+    # an earlier phase's final model as a row of a later phase's evaluation (phase key baselines)
+    rows = _two_phases(tmp_path / "m.jsonl")
+    rows[1]["baselines"] = {"dms": "first"}
+    rows[1]["set"]["eval.capped"] = True
+    recipe = load_recipe(_write_recipe(tmp_path / "b.yaml", tiny_setup, rows))
+    assert recipe.config(recipe.phases[1]).eval.baselines == {"dms": "phase:first"}  # checked before it exists
+    assert recipe.config(recipe.phases[1], "/a", {"dms": "/trained/dms"}).eval.baselines == {"dms": "/trained/dms"}
 
 
 # ------------------------------------------------------------------------------------------------ end to end
