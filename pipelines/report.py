@@ -388,7 +388,8 @@ def _phrase(d: dict) -> str:
 def mlflow_metrics(summary: dict) -> dict[str, float]:
     """``<policy>.B<total>.<metric>`` with ``.lo`` / ``.hi``; paired differences as ``….vs_<baseline
     kind>`` (+ ``.lo``, ``.hi``, ``.resolved``); gap closed as ``….gap_closed``; headline recall as a share of dense's
-    as ``….recall_exact.share_of_dense``; a summary's other corpora (``corpora``) as ``<corpus>.`` + these. Finite
+    as ``….recall_exact.share_of_dense``; memory per (layer, KV head) (``summary["memory"]``) as
+    ``….memory_mean`` / ``….memory_peak``; a summary's other corpora (``corpora``) as ``<corpus>.`` + these. Finite
     values only."""
     out = {}
     for m in summary["metrics"]:
@@ -403,6 +404,9 @@ def mlflow_metrics(summary: dict) -> dict[str, float]:
     for r in summary.get("recall_share") or []:
         key = f"{r['policy']}.B{r['B']}.recall_exact.share_of_dense"
         out.update({key: r["estimate"], f"{key}.lo": r["lo"], f"{key}.hi": r["hi"]})
+    for m in summary.get("memory") or []:
+        key = f"{m['policy']}.B{m['B']}"
+        out.update({f"{key}.memory_mean": m["mean"], f"{key}.memory_peak": m["peak"]})
     for name, corpus in (summary.get("corpora") or {}).items():
         out.update({f"{name}.{k}": v for k, v in mlflow_metrics(corpus).items()})
     return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}

@@ -204,6 +204,8 @@ def test_report_pairs_allocated_rows_with_their_uniform_rows():
     table = report.format_memory([{"policy": "kvpop-H", "B": 8, "mean": 7.5, "peak": 13},
                                   {"policy": "dms", "B": 8, "mean": 8.0, "peak": 16}])
     assert "kvpop-H" in table and "13" in table and "peak" in table
+    logged = report.mlflow_metrics({**summary, "memory": [{"policy": "kvpop-H", "B": 8, "mean": 7.5, "peak": 13}]})
+    assert logged["kvpop-H.B8.memory_mean"] == 7.5 and logged["kvpop-H.B8.memory_peak"] == 13
 
 
 # ---------------------------------------------------------------------------------------------- the sweep
