@@ -280,8 +280,10 @@ def test_no_flexattention_kernel_per_prompt_or_step(model, monkeypatch):
     monkeypatch.setattr(attention, "flex", recorded)
     monkeypatch.setattr(targets, "flex", recorded)
     monkeypatch.setattr(targets, "_resolve", lambda backend, x: "flex" if backend == "auto" else backend)
-    for module in (attention, kvpop.cache, kvpop.dms_cache):
+    for module in (attention, kvpop.dms_cache):
         monkeypatch.setattr(module, "retention_attention", as_on_cuda)
+    # a KVpop cache's chunk takes FlexAttention on CUDA only at its fixed chunk size (one compiled shape)
+    monkeypatch.setattr(kvpop.cache.KVpopLayer, "_fused", lambda self, query, chunk: chunk == self.prefill_chunk)
     rows = prompts(lengths=(9, 14, 20, 23, 31))
     runs = [setting(name) for name in ALL]
     EV.generation_items(model, rows, runs, max_new_tokens=6, eos_id=None, batch_size=3)
