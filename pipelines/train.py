@@ -101,7 +101,7 @@ TrainInputs = store.Targets | OnlineSequences
 def run_name_of(cfg: PipelineConfig, targets: TrainInputs) -> str:
     if cfg.train.run_name:
         return cfg.train.run_name
-    allocation = train_allocation(cfg, targets.identity)
+    allocation = train_allocation(cfg, targets.identity) if cfg.train.allocation else None
     extra = [] if allocation is None else [("allocation_sha256", fingerprint(allocation.to_json(), length=32))]
     digest = fingerprint("kvpop.train", targets.key, cfg.budget, cfg.train.optimisation(), cfg.data.seed,
                          *init_identity(cfg), *extra, length=10)
