@@ -5,7 +5,7 @@ shuffle per epoch) and evaluated on an unseen corpus too (``eval.heldout_sources
 ``jobs.corpus``, phase one killed right after it finished, phase two stopped mid-training, the home exported, wiped
 and imported elsewhere, the same command finishing with one FINISHED training run per phase and the CR the trained
 window cannot reach read at a shorter one.
-One phase on tiny Qwen3 and Mistral folders. Bad recipes and missing inputs: one line, exit code 2, nothing written.
+One phase on a tiny hybrid Gemma 2 folder (a non-Llama decoder with local layers of its own). Bad recipes and missing inputs: one line, exit code 2, nothing written.
 """
 from __future__ import annotations
 
@@ -233,14 +233,25 @@ def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(ti
 
 @pytest.mark.slow
 @pytest.mark.ray
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
-def test_one_phase_on_another_decoder(tiny_setup, tmp_path, ray_cluster, arch, capsys):
+def test_one_phase_on_a_hybrid_gemma2_folder(tiny_setup, tmp_path, ray_cluster, capsys):
+    """One phase of a recipe on a tiny random Gemma 2 folder (local, global, local, global layers): a non-Llama
+    decoder through precompute, training and evaluation end to end, its targets and scorers covering its two global
+    layers only (its local layers keep their own window, kvpop.local_layers)."""
+    import math
+
+    import mlflow
     from transformers import AutoTokenizer
 
+    import kvpop
     from jobs.pipeline import cli
-    from tests.models import save_tiny_teacher
+    from kvpop.retrofit import scoring_modules
+    from pipelines import store, train
+    from tests.models import LOCAL_WINDOW, tiny_model
 
-    teacher = save_tiny_teacher(tmp_path / arch, AutoTokenizer.from_pretrained(tiny_setup / "teacher"), arch=arch)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_setup / "teacher")
+    teacher = tmp_path / "gemma2"
+    tiny_model("gemma2", "gqa", vocab=len(tokenizer)).save_pretrained(teacher)
+    tokenizer.save_pretrained(teacher)
     recipe = _write_recipe(tmp_path / "recipe.yaml", tiny_setup, [{"name": "only"}], None, f"model.path={teacher}",
                            "eval.read_windows=[]", "eval.compression_ratios=[0.5625]")
     home = tmp_path / "home"
@@ -248,12 +259,27 @@ def test_one_phase_on_another_decoder(tiny_setup, tmp_path, ray_cluster, arch, c
     assert "phase 1/1 only:" in capsys.readouterr().out
     cfg = load_recipe(recipe, [f"home={home}"])
     cfg = cfg.config(cfg.phases[0])
-    meta = json.loads((Path(records.for_config(cfg, "train").payload["model_dir"]) / "kvpop.json").read_text())
-    assert meta["base"]["model_type"] == arch and meta["num_kv_heads"] == 2
-    assert meta["head_dim"] == json.loads((teacher / "config.json").read_text()).get("head_dim", 16)
-    summary = json.loads((Path(records.for_config(cfg, "evaluate").payload["output_dir"]) / "metrics.json")
-                         .read_text())
-    assert [b["budget"] for b in summary["budgets"]] == ["s4-w8-k16"]
+
+    targets = store.open_targets(train.targets_path(cfg))
+    assert targets.identity["target_layers"] == [1, 3] and targets.identity["num_layers"] == 2
+    column = targets.read_table([store.target_column(8)]).schema.field(store.target_column(8))
+    assert list(column.type.shape) == [2, 2, 64]  # [global layers, Hkv, S]
+
+    payload = records.for_config(cfg, "train").payload
+    run = mlflow.MlflowClient(cfg.tracking_uri()).get_run(payload["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and math.isfinite(run.data.metrics["ret_loss"])
+    meta = json.loads((Path(payload["model_dir"]) / "kvpop.json").read_text())
+    assert meta["base"]["model_type"] == "gemma2" and meta["num_kv_heads"] == 2
+    assert meta["head_dim"] == json.loads((teacher / "config.json").read_text())["head_dim"]
+    model, _ = kvpop.load_retrofitted(payload["model_dir"], base=teacher)
+    assert model.kvpop_runtime.layer_windows == (LOCAL_WINDOW, None, LOCAL_WINDOW, None)
+    assert [m.layer_idx for m in scoring_modules(model)] == [1, 3]
+
+    evaluation = json.loads((Path(records.for_config(cfg, "evaluate").payload["output_dir"]) / "metrics.json")
+                            .read_text())
+    assert [b["budget"] for b in evaluation["budgets"]] == ["s4-w8-k16"]
+    rows = {(m["policy"], m["metric"]) for m in evaluation["summary"]["metrics"]}
+    assert {("kvpop", "kl"), ("oracle", "kl"), ("streaming", "kl")} <= rows
 
 
 def test_a_scorer_of_another_base_is_refused_in_one_line_before_anything_is_written(tiny_setup, tmp_path, capsys):
