@@ -22,60 +22,6 @@ EARLY_STOP = ["sweep.scorers=[mlstm]", "sweep.lrs=[1e-07, 1.0]", "sweep.metric=r
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-def test_two_trial_sweep_asha_nested_mlflow_runs_and_best_preset(tiny_targets, tiny_setup):
-    import mlflow
-
-    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *SWEEP, *EARLY_STOP, "sweep.name=two-trials")
-    before = sweep.live_placement_groups()
-    result = sweep.run(cfg)
-    # nothing of the trials outlives the sweep: the stopped trial's worker group no longer holds its CPU (it held it
-    # for good on the H200, where the train stage after an in-pipeline sweep then never got the GPU)
-    assert sweep.live_placement_groups() <= before
-
-    # Tune's view: the first trial ran its 4 steps, ASHA stopped the diverging one at the grace period
-    rows = {t["overrides"]["train.lr"]: t for t in result.trials}
-    assert set(rows) == {1e-07, 1.0}
-    assert (rows[1e-07]["status"], rows[1e-07]["steps"], rows[1e-07]["early_stopped"]) == ("FINISHED", 4, False)
-    assert (rows[1.0]["status"], rows[1.0]["steps"], rows[1.0]["early_stopped"]) == ("KILLED", 2, True)
-
-    # the best config: a loadable preset, the winner's variant on the input config (train.steps kept)
-    assert result.best_path == result.root / "best.yaml" and result.best_path.is_file()
-    best = load_config(result.best_path)
-    assert best == result.best_config
-    assert (best.train.scorer, best.train.lr, best.budget.sink, best.budget.window, best.budget.topk) == \
-        ("mlstm", 1e-07, 4, 16, 8)
-    assert best.train.steps == cfg.train.steps and best.train.targets == "" and best.name == cfg.name
-
-    # one parent run, two children with the trial config as params and per-step metric histories
-    client = mlflow.MlflowClient(cfg.tracking_uri())
-    parent = client.get_run(result.parent_run_id)
-    assert parent.info.status == "FINISHED" and parent.data.tags["kvpop.stage"] == "sweep"
-    assert parent.info.run_name == "two-trials"
-    assert parent.data.metrics["best.ret_loss"] == pytest.approx(result.best_value)
-    assert parent.data.metrics["trials.early_stopped"] == 1
-    assert parent.data.tags["kvpop.best_run_id"] == result.best_run_id == rows[1e-07]["run_id"]
-    artifacts = {a.path for a in client.list_artifacts(result.parent_run_id, "sweep")}
-    assert {"sweep/best.yaml", "sweep/trials.json"} <= artifacts
-    children = client.search_runs([parent.info.experiment_id],
-                                  filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
-    assert {c.info.run_id for c in children} == {rows[1e-07]["run_id"], rows[1.0]["run_id"]}
-    for child in children:
-        lr = float(child.data.params["train.lr"])
-        assert child.data.params["train.scorer"] == "mlstm" and child.data.params["budget.window"] == "16"
-        assert child.data.params["train.steps"] == "4"
-        assert child.data.tags["kvpop.stage"] == "sweep-trial" and child.data.tags["kvpop.sweep"] == "two-trials"
-        assert child.data.tags["kvpop.trial_id"] == rows[lr]["trial_id"]
-        assert child.info.status == rows[lr]["status"]
-        assert child.data.tags["kvpop.early_stopped"] == ("true" if lr == 1.0 else "false")
-        steps = [m.step for m in client.get_metric_history(child.info.run_id, "ret_loss")]
-        assert steps[:2] == [1, 2]  # a stopped trial may log a step or two more while its actors go
-        for key in ("kl", "boundary_acc", "loss", "tokens_per_s"):
-            assert client.get_metric_history(child.info.run_id, key)
-    assert [m.step for m in client.get_metric_history(result.best_run_id, "ret_loss")] == [1, 2, 3, 4]
-
-
-@pytest.mark.ray
 def test_placement_groups_a_stopped_trial_leaves_are_released_and_no_others(ray_cluster):
     """What a killed TorchTrainer controller leaves behind (its worker group's placement group, which Ray Train's own
     cleaner fails to remove where the state API does not answer) is removed; groups from before the sweep stay."""
@@ -156,21 +102,34 @@ def test_plan_needs_targets_for_every_window_and_writes_nothing(tiny_targets, ti
     assert not any(p for p in home.rglob("*") if p.is_file() and p.parent.name != "cache")
 
 
+# the sweep in its own driver, killed once every trial has ended (crash point sweep.trials_done, right after the
+# placement groups of stopped trials were released): it prints what is left of the trials' placement groups there
 KILLED_SWEEP = """
 import json, sys
 from pipelines import sweep
 from pipelines.config import config_from_dict
 
+release = sweep.release_placement_groups
+
+
+def released_and_checked(before, *args, **kwargs):
+    released = release(before, *args, **kwargs)
+    print("placement groups left by the trials:", sorted(sweep.live_placement_groups() - before), flush=True)
+    return released
+
+
+sweep.release_placement_groups = released_and_checked
 sweep.run(config_from_dict(json.loads(sys.argv[1])))
 """
 
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_sweep_killed_after_its_trials_completes_on_a_rerun_without_running_them_again(tiny_targets, tiny_setup,
+def test_two_trial_sweep_asha_nested_mlflow_runs_best_preset_and_a_kill_before_the_preset(tiny_targets, tiny_setup,
                                                                                          ray_cluster):
-    """Killed once every trial has ended (before best.yaml): the re-run restores the Tune experiment into the same
-    parent MLflow run — one parent, one child per trial, one best.yaml — and a third run is refused."""
+    """Two trials, one after the other, the second diverging: ASHA stops it at the grace period. The driver is killed
+    once both have ended (before best.yaml): the re-run restores the Tune experiment into the same parent MLflow run
+    without training any trial again — one parent, one child per trial, one best.yaml — and a third run is refused."""
     import json
     import os
     import subprocess
@@ -181,32 +140,65 @@ def test_a_sweep_killed_after_its_trials_completes_on_a_rerun_without_running_th
 
     from pipelines import records
 
-    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *SWEEP, "sweep.scorers=[mlstm]", "sweep.steps=2",
-                      "sweep.grace_period=1", "sweep.max_concurrent_trials=1", "sweep.name=killed-once")
+    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *SWEEP, *EARLY_STOP, "sweep.name=two-trials")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "RAY_ADDRESS": ray_cluster,
            records.CRASH_ENV: "sweep.trials_done"}
     killed = subprocess.run([sys.executable, "-c", KILLED_SWEEP, json.dumps(cfg.to_dict())], env=env,
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=600)
     assert killed.returncode == records.CRASH_EXIT_CODE, killed.stderr[-3000:]
-    root = sweep.sweep_root(cfg) / "killed-once"
+    # nothing of the trials outlived them: the stopped trial's worker group no longer held its CPU (it held it for
+    # good on the H200, where the train stage after an in-pipeline sweep then never got the GPU)
+    assert "placement groups left by the trials: []" in killed.stdout, killed.stdout[-3000:]
+    root = sweep.sweep_root(cfg) / "two-trials"
     assert sweep.killed_sweep(root) and sweep.plan(cfg).resume
-
     client = mlflow.MlflowClient(cfg.tracking_uri())
     experiment = client.get_experiment_by_name(cfg.tracking.experiment).experiment_id
-    children_before = client.search_runs([experiment], filter_string="tags.`kvpop.stage` = 'sweep-trial' and "
-                                                                     "tags.`kvpop.sweep` = 'killed-once'")
-    assert len(children_before) == 1
+    trial_runs = "tags.`kvpop.stage` = 'sweep-trial' and tags.`kvpop.sweep` = 'two-trials'"
+    children_before = {c.info.run_id for c in client.search_runs([experiment], filter_string=trial_runs)}
+    assert len(children_before) == 2
+
     result = sweep.run(cfg)
-    parents = client.search_runs([experiment], filter_string="tags.mlflow.runName = 'killed-once' and "
+    # Tune's view: the first trial ran its 4 steps, ASHA stopped the diverging one at the grace period
+    rows = {t["overrides"]["train.lr"]: t for t in result.trials}
+    assert set(rows) == {1e-07, 1.0}
+    assert (rows[1e-07]["status"], rows[1e-07]["steps"], rows[1e-07]["early_stopped"]) == ("FINISHED", 4, False)
+    assert (rows[1.0]["status"], rows[1.0]["steps"], rows[1.0]["early_stopped"]) == ("KILLED", 2, True)
+
+    # the best config: a loadable preset, the winner's variant on the input config (train.steps kept)
+    assert result.best_path == result.root / "best.yaml" == root / "best.yaml" and result.best_path.is_file()
+    assert sorted(p.name for p in root.glob("*.yaml")) == ["best.yaml"]
+    best = load_config(result.best_path)
+    assert best == result.best_config
+    assert (best.train.scorer, best.train.lr, best.budget.sink, best.budget.window, best.budget.topk) == \
+        ("mlstm", 1e-07, 4, 16, 8)
+    assert best.train.steps == cfg.train.steps and best.train.targets == "" and best.name == cfg.name
+
+    # one parent run (the killed driver's, resumed), two children with the trial config as params and per-step
+    # metric histories, none of them trained again
+    parents = client.search_runs([experiment], filter_string="tags.mlflow.runName = 'two-trials' and "
                                                              "tags.`kvpop.stage` = 'sweep'")
     assert [r.info.run_id for r in parents] == [result.parent_run_id]
-    assert parents[0].info.status == "FINISHED" and parents[0].data.metrics["trials.finished"] == 1
-    children = client.search_runs([experiment], filter_string="tags.`kvpop.stage` = 'sweep-trial' and "
-                                                              "tags.`kvpop.sweep` = 'killed-once'")
-    assert [c.info.run_id for c in children] == [children_before[0].info.run_id] == [result.best_run_id]
-    assert children[0].info.status == "FINISHED"
-    assert [t["steps"] for t in result.trials] == [2]
-    assert [m.step for m in client.get_metric_history(result.best_run_id, "kl")] == [1, 2]  # not trained again
-    assert sorted(p.name for p in root.glob("*.yaml")) == ["best.yaml"] and load_config(result.best_path)
+    parent = parents[0]
+    assert parent.info.status == "FINISHED" and parent.data.tags["kvpop.stage"] == "sweep"
+    assert parent.data.metrics["best.ret_loss"] == pytest.approx(result.best_value)
+    assert parent.data.metrics["trials.early_stopped"] == 1 and parent.data.metrics["trials.finished"] == 1
+    assert parent.data.tags["kvpop.best_run_id"] == result.best_run_id == rows[1e-07]["run_id"]
+    artifacts = {a.path for a in client.list_artifacts(result.parent_run_id, "sweep")}
+    assert {"sweep/best.yaml", "sweep/trials.json"} <= artifacts
+    children = client.search_runs([experiment], filter_string=f"tags.mlflow.parentRunId = '{result.parent_run_id}'")
+    assert {c.info.run_id for c in children} == {rows[1e-07]["run_id"], rows[1.0]["run_id"]} == children_before
+    for child in children:
+        lr = float(child.data.params["train.lr"])
+        assert child.data.params["train.scorer"] == "mlstm" and child.data.params["budget.window"] == "16"
+        assert child.data.params["train.steps"] == "4"
+        assert child.data.tags["kvpop.stage"] == "sweep-trial" and child.data.tags["kvpop.sweep"] == "two-trials"
+        assert child.data.tags["kvpop.trial_id"] == rows[lr]["trial_id"]
+        assert child.info.status == rows[lr]["status"]
+        assert child.data.tags["kvpop.early_stopped"] == ("true" if lr == 1.0 else "false")
+        steps = [m.step for m in client.get_metric_history(child.info.run_id, "ret_loss")]
+        assert steps[:2] == [1, 2]  # a stopped trial may log a step or two more while its actors go
+        for key in ("kl", "boundary_acc", "loss", "tokens_per_s"):
+            assert client.get_metric_history(child.info.run_id, key)
+    assert [m.step for m in client.get_metric_history(result.best_run_id, "ret_loss")] == [1, 2, 3, 4]  # once
     with pytest.raises(ConfigError, match="already exists"):
         sweep.plan(cfg)
