@@ -23,8 +23,10 @@ $(STAMP): pyproject.toml constraints.txt
 model: install
 	$(PY) -m jobs.model prepare
 
+# Two pytest-xdist workers, one per core (tests/conftest.py: what each worker builds, what runs first, what shares a
+# worker); `pytest tests` alone runs the same tests one after the other.
 test: install model
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 run: install model
 	$(PY) -m jobs.pipeline

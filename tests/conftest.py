@@ -42,9 +42,55 @@ MARKERS = {
 }
 
 
+# `make test` runs the suite on two pytest-xdist workers (`-n 2`): each worker has its own session fixtures (its own
+# Ray cluster, tiny teachers and targets) and takes the next test as it finishes the last (below: what runs first, and
+# the modules whose tests all run on one worker, in file order).
+GROUPED_MODULES = {
+    "test_infra.py": "infra/local.sh's stack: a module fixture, started once; its last test stops it",
+}
+
+
+def _work_unit(nodeid: str) -> str:
+    """What one worker runs as a whole: a grouped module, or one test."""
+    module = nodeid.split("::", 1)[0]
+    return module if os.path.basename(module) in GROUPED_MODULES else nodeid
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and unused) when pytest runs without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """xdist's scope scheduling with this suite's units (``_work_unit``), in collection order: its `loadgroup` mode
+    would do it through ``xdist_group`` marks, but pytest-xdist 3.8 renames the test ids it groups by through an
+    attribute pytest 9 no longer reads, so those marks group nothing."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    config.option.loadscopereorder = False  # keep pytest_collection_modifyitems' order: the longest tests first
+    return Scheduling(config, log)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # each worker's torch its share of the cores: threads spinning on a core another worker holds
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # made tiny-tensor tests 50x slower here
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tests that run Ray first (the longest: whole stages), then the other slow ones, then the rest, each
+    in collection order (a grouped module counts as one unit, ranked by its slowest test): on two workers the long
+    tests overlap each other and the short ones fill the end, instead of one long test starting last while the
+    other worker idles."""
+    rank: dict[str, int] = {}
+    for item in items:
+        slow = item.get_closest_marker("slow") is not None
+        own = 0 if slow and item.get_closest_marker("ray") else 1 if slow else 2
+        unit = _work_unit(item.nodeid)
+        rank[unit] = min(rank.get(unit, 2), own)
+    items.sort(key=lambda item: rank[_work_unit(item.nodeid)])  # stable
 
 
 @pytest.fixture(autouse=True)

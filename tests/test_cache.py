@@ -46,6 +46,7 @@ def test_sampling_runs_and_is_reproducible():
     assert torch.equal(a, b) and a.shape == (2, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scorer", ["mlstm", "mlp"])
 def test_memory_is_constant_and_exact(scorer):
     model = tiny_model("llama", "gqa", layers=3)

@@ -67,6 +67,7 @@ def setup(tokenizer, tmp_path, monkeypatch):
 
 
 @pytest.mark.pretrained
+@pytest.mark.slow
 def test_run_writes_a_complete_directory_logs_it_once_and_reuses_it(setup, monkeypatch, tmp_path):
     import mlflow
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.parse
@@ -77,9 +79,14 @@ def stack(tmp_path_factory):
     a test fails)."""
     root = tmp_path_factory.mktemp("stack")
     gcs, dashboard, client, agent, mlflow_port = _free_ports(5)
+    # Ray's temp dir of its own (short: Ray's socket paths live under it), so that the address `ray start` records
+    # there is not the machine's /tmp/ray/ray_current_cluster, which a driver of a test running beside this module
+    # (pytest-xdist) would then join instead of starting its own cluster
+    ray_tmp = tempfile.mkdtemp(prefix="kvpop-ray-")
     env = {**os.environ, "KVPOP_HOME": str(root / "home"), "RAY_PORT": str(gcs), "RAY_DASHBOARD_PORT": str(dashboard),
            "RAY_CLIENT_PORT": str(client), "RAY_DASHBOARD_AGENT_PORT": str(agent), "MLFLOW_PORT": str(mlflow_port),
-           "PYTHON": sys.executable, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(root / "ray_token")}
+           "PYTHON": sys.executable, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(root / "ray_token"),
+           "RAY_TMPDIR": ray_tmp}
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
     try:
@@ -88,6 +95,7 @@ def stack(tmp_path_factory):
         yield Stack(env, root / "home", dashboard, agent, mlflow_port, started.stdout)
     finally:
         subprocess.run([LOCAL_SH, "stop"], env=env, capture_output=True, text=True, timeout=240)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 def _host_addresses() -> list[str]:
@@ -192,6 +200,8 @@ def test_nothing_listens_beyond_loopback_without_authentication(stack):
     assert not open_ports, f"listening beyond loopback without authentication: {open_ports}"
 
 
+@pytest.mark.slow
+@pytest.mark.ray
 @pytest.mark.pretrained  # the tiny teacher uses SmolLM2's tokenizer
 def test_job_submit_runs_the_pipeline_and_mlflow_serves_the_eval_metrics(stack, tiny_setup, tmp_path):
     tracking = f"http://127.0.0.1:{stack.mlflow}"

@@ -118,6 +118,7 @@ def test_stage_input_errors_are_one_line_exit_2_before_any_output(stage, extra, 
     assert all(p.parts[0] == "cache" for p in written), written
 
 
+@pytest.mark.slow
 def test_every_cli_module_exits_2_in_its_own_process(tiny_setup, tmp_path):
     """``python -m jobs.<stage>`` itself: the exit code, one stderr line, and an untouched KVPOP_HOME."""
     home = tmp_path / "home"
@@ -244,6 +245,7 @@ def test_the_experiment_is_a_machine_learning_one(tmp_path):
     assert mlflow.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
+@pytest.mark.slow
 def test_processes_opening_a_new_store_at_once_all_succeed(tmp_path):
     """Two stages started side by side on a fresh home (the fourth GPU session's recipe and baselines parts) both
     create and migrate the sqlite store: without the lock one of them fails ("Online migration expected to match one

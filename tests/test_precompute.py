@@ -79,6 +79,7 @@ def test_a_shard_removed_from_the_manifest_is_the_only_one_recomputed(tiny_targe
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_exactly_the_rows_of_an_uninterrupted_run(tiny_targets, tiny_setup, tmp_path,
                                                                          ray_cluster):
     cfg = tiny_config(tiny_setup, tmp_path / "home")

@@ -122,6 +122,7 @@ def _driver(cfg, ray_address: str, crash_at: str, tmp_path) -> subprocess.Comple
 
 
 @pytest.mark.ray
+@pytest.mark.slow
 @pytest.mark.parametrize("read_once", [True, False])
 def test_training_rows_come_in_file_order_every_epoch(tiny_targets, monkeypatch, read_once):
     from ray.data import DataContext
