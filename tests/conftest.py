@@ -28,6 +28,13 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # poll the nodes' drain state; a one-node local test cluster is never drained.
 os.environ.setdefault("RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")
 
+# Under pytest-xdist (`make test`: two workers on the two cores) every process a test starts — stage CLIs, drivers,
+# the Ray clusters' workers — gets its share of the cores as torch's thread count (torch reads it when imported): a
+# thread spinning on a core the other worker holds made tiny-tensor work 5–50x slower here.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
 import random  # noqa: E402
 
 import pytest  # noqa: E402
@@ -74,9 +81,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_configure(config: pytest.Config) -> None:
     for name, doc in MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {doc}")
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:  # each worker's torch its share of the cores: threads spinning on a core another worker holds
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))  # made tiny-tensor tests 50x slower here
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -146,7 +150,9 @@ def ray_cluster():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=4)  # never a `ray start` head running on this machine
+        # never a `ray start` head running on this machine; no dashboard: no test asks the session's cluster for it
+        # (a process less, ~0.05 core while the session lasts)
+        ray.init(address="local", num_cpus=4, include_dashboard=False)
     yield ray.get_runtime_context().gcs_address
     if started:
         ray.shutdown()
