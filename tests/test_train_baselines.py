@@ -171,16 +171,19 @@ def test_one_step_trains_what_the_policy_trains_and_the_saved_model_decodes_unde
 def test_a_baseline_trains_through_the_stage_resumes_and_reloads(tiny_targets, tiny_setup, policy):
     import mlflow
 
-    crash = policy == "dms"  # resuming is policy-independent (tests/test_train.py): one baseline goes through it
-    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *POLICY_OVERRIDES[policy], "train.steps=6",
-                      "train.checkpoint_every=2", "train.batch_size=2", "train.num_workers=2",
+    # resuming and FSDP over 2 workers are policy-independent (tests/test_train.py): one baseline goes through them,
+    # the other trains 2 steps on one worker
+    crash = policy == "dms"
+    steps, workers = (6, 2) if crash else (2, 1)
+    cfg = tiny_config(tiny_setup, tiny_targets[0].home_dir(), *POLICY_OVERRIDES[policy], f"train.steps={steps}",
+                      "train.checkpoint_every=2", "train.batch_size=2", f"train.num_workers={workers}",
                       "train.cpus_per_worker=1", "train.max_failures=0", *(["train.fail_at_step=3"] if crash else []))
-    assert cfg.train.resolved_strategy == "fsdp"
+    assert cfg.train.resolved_strategy == ("fsdp" if crash else "none")
     if crash:  # DMS's state includes its keep-rate schedule: the resumed run must continue it, not restart it
         with pytest.raises(Exception, match="fault injected at step 3"):
             train.run(cfg)
     result = train.run(cfg)
-    assert result.resumed_from == (2 if crash else 0) and result.metrics["step"] == 6
+    assert result.resumed_from == (2 if crash else 0) and result.metrics["step"] == steps
     assert f"-{cfg.train.label}-" in result.run_name
     payload = records.for_config(cfg, "train").payload
     assert payload["policy"] == policy and payload["model_dir"] == str(result.model_dir)
@@ -189,7 +192,7 @@ def test_a_baseline_trains_through_the_stage_resumes_and_reloads(tiny_targets, t
     run = client.get_run(tracking.find_run(cfg, result.run_name, "train"))
     assert run.info.status == "FINISHED" and run.data.params["train.policy"] == policy
     for key in METRICS[policy]:
-        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == [1, 2, 3, 4, 5, 6], key
+        assert sorted(m.step for m in client.get_metric_history(run.info.run_id, key)) == list(range(1, steps + 1)), key
     if policy == "dms":
         targets = [m.value for m in sorted(client.get_metric_history(run.info.run_id, "target_keep_rate"),
                                            key=lambda m: m.step)]
@@ -201,7 +204,8 @@ def test_a_baseline_trains_through_the_stage_resumes_and_reloads(tiny_targets, t
     with torch.no_grad():
         one_pass = loaded(ids, use_cache=False).logits
     assert (kvpop.teacher_forced_logits(loaded, ids, prefill=9) - one_pass).abs().max() <= 1e-4
-    fewer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=4, dms_schedule_steps=4))
+    fewer = dataclasses.replace(cfg, train=dataclasses.replace(
+        cfg.train, steps=steps - 1, dms_schedule_steps=min(cfg.train.dms_schedule_steps, steps - 1)))
     with pytest.raises(ConfigError, match="asks for fewer"):
         train.run(fewer)
 
