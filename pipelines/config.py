@@ -98,6 +98,7 @@ class DataConfig(OptionalSettings):
 
 
 DEFAULT_BUDGET = Budget(sink=4, window=64, topk=32)  # the default run's B = 100 of S = 512 (CR 80%)
+HELDOUT_REFERENCES = ("streaming", "oracle", "dense")  # pipelines.heldout's references: heldout.<policy>.<metric>
 
 
 @dataclass(frozen=True)
@@ -206,6 +207,8 @@ class TrainConfig:
     #     data.eval_sequences)
     eval_recall_samples: int = 0  # samples per recall cell (eval.tasks x eval.task_contexts x eval.task_depths) it
     #     also measures greedy exact match on (heldout.recall_exact: headline cells); 0 = none
+    eval_heldout_sources: bool = False  # it also evaluates each eval.heldout_sources corpus's held-out split (the
+    #     first eval_sequences sequences; text metrics), logged as heldout.<corpus>.*: the curve out of domain too
     allocation: str = ""  # policy kvpop: train at per-(layer, KV head) budgets (METHOD §7): "allocate" = this config's
     #     allocate stage's (python -m jobs.allocate; allocate.mean_budget must be budget.total), or a folder holding
     #     kvpop_allocation.json; "": every head at budget.*. The run's keys hold the allocation's digest
@@ -217,7 +220,7 @@ class TrainConfig:
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
         "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "checkpoint_every",
         "max_failures", "log_every", "targets", "fail_at_step", "run_name", "output_root", "eval_every",
-        "eval_sequences", "eval_recall_samples")
+        "eval_sequences", "eval_recall_samples", "eval_heldout_sources")
     # settings that came after runs were first named: in the run-name hash only away from their default
     LATER: ClassVar[dict[str, Any]] = {"targets_source": "stored", "online_features": "student", "warmup_steps": 0,
                                        "schedule": "constant", "shuffle_seed": None, "allocation": ""}
@@ -466,6 +469,15 @@ class PipelineConfig:
                               f"{self.data.eval_sequences} held-out sequences (data.eval_sequences)")
         if self.train.eval_every and self.data.eval_sequences < 1:
             raise ConfigError("train.eval_every evaluates held-out sequences: set data.eval_sequences >= 1")
+        if self.train.eval_heldout_sources:
+            names = [corpus_name(s) for s in self.eval.heldout_sources]
+            if not names:
+                raise ConfigError("train.eval_heldout_sources evaluates the eval.heldout_sources corpora: name at "
+                                  "least one (or set it false)")
+            if set(names) & set(HELDOUT_REFERENCES):
+                raise ConfigError(f"train.eval_heldout_sources: corpus names {names} may not be "
+                                  f"{' / '.join(HELDOUT_REFERENCES)} (its metrics heldout.<corpus>.* would be taken "
+                                  f"for the references heldout.<policy>.*)")
         if budget.window not in self.precompute.windows:
             raise ConfigError(f"budget.window={budget.window} has no targets: add it to precompute.windows "
                               f"(now {list(self.precompute.windows)})")

@@ -4,8 +4,10 @@
 :func:`plot_learning_curve` reads the history of one run from a tracking store and draws one panel per held-out
 metric the run logged — KL and top-1 against dense (kvpop with its 95 % band, streaming and the oracle as the
 references), the fraction of the streaming → oracle KL gap closed, headline recall exact match — against the
-training step. The train stage logs the figure as the run's ``learning_curve.png`` artifact at the end of training;
-for a run still going (or any other), call it with the run's id::
+training step; with ``train.eval_heldout_sources``, one more kvpop line per other corpus in the KL, top-1 and gap
+panels, labelled by its name (in domain against out of domain; that corpus's references are its metrics, not drawn).
+The train stage logs the figure as the run's ``learning_curve.png`` artifact at the end of training; for a run still
+going (or any other), call it with the run's id::
 
     python -c "from pipelines.curves import plot_learning_curve; print(plot_learning_curve('<run id>', \\
         'sqlite:///.kvpop/mlflow.db', 'curve.png'))"
@@ -15,7 +17,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from pipelines.heldout import PREFIX
+from pipelines.heldout import PREFIX, corpus_prefix, logged_corpora
 
 # (panel title, kvpop's metric, the references drawn beside it)
 PANELS = (
@@ -35,6 +37,20 @@ def metric_history(client, run_id: str, name: str) -> list[tuple[int, float]]:
     return sorted(by_step.items())
 
 
+def _kvpop_line(ax, client, run_id: str, metric: str, color: str, label: str, band_label: str | None = None) -> None:
+    """One metric's history with its 95 % band (where ``.lo`` / ``.hi`` were logged); nothing if it was not logged."""
+    points = metric_history(client, run_id, metric)
+    if not points:
+        return
+    steps = [s for s, _ in points]
+    ax.plot(steps, [v for _, v in points], marker="o", color=color, label=label)
+    lo, hi = (dict(metric_history(client, run_id, f"{metric}.{side}")) for side in ("lo", "hi"))
+    banded = [s for s in steps if s in lo and s in hi]
+    if banded:
+        ax.fill_between(banded, [lo[s] for s in banded], [hi[s] for s in banded], color=color, alpha=0.2,
+                        label=band_label)
+
+
 def plot_learning_curve(run_id: str, tracking_uri: str, out: str | Path | None = None) -> Path | None:
     """Draw run ``run_id``'s held-out learning curve into the PNG ``out`` (default: a new temporary folder's
     ``learning_curve.png``); returns its path, or None when the run logged no held-out metric."""
@@ -50,16 +66,12 @@ def plot_learning_curve(run_id: str, tracking_uri: str, out: str | Path | None =
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    corpora = logged_corpora(run.data.metrics)
     for ax, (title, name, refs) in zip(axes[0], panels):
-        points = metric_history(client, run_id, f"{PREFIX}{name}")
-        steps, values = [s for s, _ in points], [v for _, v in points]
-        ax.plot(steps, values, marker="o", color="C3", label="kvpop")
-        lo = dict(metric_history(client, run_id, f"{PREFIX}{name}.lo"))
-        hi = dict(metric_history(client, run_id, f"{PREFIX}{name}.hi"))
-        banded = [s for s in steps if s in lo and s in hi]
-        if banded:
-            ax.fill_between(banded, [lo[s] for s in banded], [hi[s] for s in banded], color="C3", alpha=0.2,
-                            label="95 % interval")
+        _kvpop_line(ax, client, run_id, f"{PREFIX}{name}", "C3", "kvpop, training corpus" if corpora else "kvpop",
+                    "95 % interval")
+        for i, corpus in enumerate(corpora):  # C0, C1: the references'; C3: the training corpus's
+            _kvpop_line(ax, client, run_id, f"{corpus_prefix(corpus)}{name}", f"C{4 + i}", f"kvpop, {corpus}")
         for i, ref in enumerate(refs):
             history = metric_history(client, run_id, f"{PREFIX}{ref}")
             if history:  # a reference is one value: a line across the run

@@ -7,19 +7,24 @@ with the evaluation stage's own code (:func:`pipelines.eval_parts.evaluate_items
 * **items**, fixed for the run: the first ``train.eval_sequences`` (0: all ``data.eval_sequences``) sequences of the
   data stage's held-out split — documents the training split never holds — and, with ``train.eval_recall_samples``
   > 0, that many samples per recall cell (``eval.tasks`` × ``eval.task_contexts`` × ``eval.task_depths``, seeded by
-  ``data.seed``: :func:`pipelines.eval_parts.recall_samples`);
+  ``data.seed``: :func:`pipelines.eval_parts.recall_samples`); with ``train.eval_heldout_sources``, also the first
+  ``train.eval_sequences`` sequences of each ``eval.heldout_sources`` corpus's held-out split
+  (:func:`pipelines.eval_parts.heldout_corpora`: the evaluation stage's items of that corpus; text only) — how far
+  the lead holds on corpora of kinds training never read;
 * at the **training budget** only: kvpop at every point; dense, streaming and the oracle (under
-  ``precompute``'s target definition) once per worker group, as references — they do not depend on the scorers.
-  A run training at per-head budgets (``train.allocation``) measures kvpop and the oracle at them (the rows
+  ``precompute``'s target definition) once per worker group and corpus, as references — they do not depend on the
+  scorers. A run training at per-head budgets (``train.allocation``) measures kvpop and the oracle at them (the rows
   ``kvpop-H`` / ``oracle-H`` of the evaluation stage, logged under the same names);
-* summarised over items with ``eval.resamples`` bootstrap resamples.
+* summarised over items (each corpus apart) with ``eval.resamples`` bootstrap resamples.
 
 :func:`heldout_metrics` names what is logged (:data:`METRICS` the curve's main lines; each with ``.lo`` / ``.hi``,
 its 95 % interval): ``heldout.kl`` and ``heldout.top1`` (kvpop's KL(dense ‖ kvpop) and top-1 agreement over positions
 ``>= B``), ``heldout.gap_closed`` / ``heldout.gap_closed_top1`` (the fraction of the streaming → oracle gap kvpop
 closes, a paired ratio), ``heldout.recall_exact`` (headline cells: dense's exact match there at least
 ``eval.task_min_dense``), and the references ``heldout.<streaming|oracle>.<kl|top1>``,
-``heldout.dense.recall_exact``. :mod:`pipelines.curves` draws them.
+``heldout.dense.recall_exact``. Another corpus's are the same text metrics under ``heldout.<corpus>.``
+(:func:`corpus_prefix`; the corpus named by :func:`pipelines.config.corpus_name`, never a reference's name), e.g.
+``heldout.stdlib.gap_closed``, ``heldout.stdlib.streaming.kl``. :mod:`pipelines.curves` draws them.
 """
 from __future__ import annotations
 
@@ -30,9 +35,9 @@ from kvpop.evaluation import ALLOCATED_SUFFIX, settings
 from kvpop.retrofit import runtime_of
 from kvpop.pretrained import read_model_config
 from pipelines import report
-from pipelines.config import ConfigError, PipelineConfig
-from pipelines.data import load_sequences, load_tokenizer
-from pipelines.eval_parts import evaluate_items, recall_samples
+from pipelines.config import HELDOUT_REFERENCES, ConfigError, PipelineConfig
+from pipelines.data import check_heldout_sources, load_sequences, load_tokenizer
+from pipelines.eval_parts import evaluate_items, heldout_corpora, recall_samples
 
 METRICS = ("heldout.kl", "heldout.top1", "heldout.gap_closed", "heldout.recall_exact")
 PREFIX = "heldout."
@@ -59,43 +64,73 @@ def heldout_inputs(cfg: PipelineConfig, tokenizer=None) -> dict:
             "problems": [], "prompts": []}
 
 
+def corpus_prefix(name: str) -> str:
+    """Where corpus ``name``'s metrics are logged: ``heldout.<name>.``."""
+    return f"{PREFIX}{name}."
+
+
+def corpus_inputs(cfg: PipelineConfig, inputs: dict) -> dict[str, dict]:
+    """With ``train.eval_heldout_sources``: ``{corpus name: items}``, ``inputs`` but for the sequences — the first
+    ``train.eval_sequences`` (0: all) of each ``eval.heldout_sources`` corpus's held-out split — and no recall
+    samples; else ``{}``. One :class:`ConfigError` line where a corpus cannot give them at ``data.seq_len``."""
+    if not cfg.train.eval_heldout_sources:
+        return {}
+    try:
+        check_heldout_sources(cfg)
+        corpora = heldout_corpora(cfg, inputs["tokenizer"], cfg.data.seq_len)
+    except ConfigError as err:
+        raise ConfigError(f"train.eval_heldout_sources: {err}") from None
+    count = cfg.train.eval_sequences or cfg.data.eval_sequences
+    return {name: {**inputs, "sequences": corpus["sequences"][:count], "samples": []}
+            for name, corpus in corpora.items()}
+
+
 def check_heldout(cfg: PipelineConfig, tokenizer=None) -> None:
-    """The driver's check before anything is written: the held-out items can be built (one line if not)."""
-    if not heldout_inputs(cfg, tokenizer)["sequences"]:
+    """The driver's check before anything is written: the held-out items (every corpus's) can be built (one line if
+    not)."""
+    inputs = heldout_inputs(cfg, tokenizer)
+    if not inputs["sequences"]:
         raise ConfigError("train.eval_every: the data stage's held-out split is empty (data.eval_sequences)")
+    corpus_inputs(cfg, inputs)
 
 
 class HeldoutEvaluator:
     """``evaluator(model) -> {metric name: value}`` for a retrofitted model under training (in eval mode, any
-    device): kvpop at the training budget on the run's fixed items, beside the references measured at the first
-    call."""
+    device): kvpop at the training budget on the run's fixed items of each corpus, beside that corpus's references
+    measured at the first call."""
 
     def __init__(self, cfg: PipelineConfig):
         self.cfg = heldout_config(cfg)
-        self.inputs = heldout_inputs(cfg)
+        main = heldout_inputs(cfg)
+        # metric prefix -> items: the training source's under heldout.*, another corpus's under heldout.<corpus>.*
+        self.items = {PREFIX: main, **{corpus_prefix(name): items for name, items in corpus_inputs(cfg, main).items()}}
         total = cfg.budget.total
         self.budgets = [{"B": total, "CR": 1 - total / cfg.data.seq_len, "budget": str(cfg.budget)}]
-        self.references: list[dict] | None = None
+        self.references: dict[str, list[dict]] = {}  # metric prefix -> the references' records
 
-    def records(self, model, policies: list[str]) -> list[dict]:
+    def records(self, model, policies: list[str], inputs: dict) -> list[dict]:
         allocation = runtime_of(model).allocation  # training at per-head budgets: measured at them
         allocated = [p for p in policies if allocation is not None and p in ("kvpop", "oracle")]
         runs = settings([p for p in policies if p not in allocated], [self.cfg.budget], allocated=allocated,
                         allocations={self.cfg.budget.total: allocation})
-        found, _ = evaluate_items(self.cfg, self.inputs, model, progress=False, runs=runs)
+        found, _ = evaluate_items(self.cfg, inputs, model, progress=False, runs=runs)
         return [{**r, "policy": r["policy"].removesuffix(ALLOCATED_SUFFIX)} for r in found]
 
     def __call__(self, model) -> dict[str, float]:
-        if self.references is None:
-            self.references = self.records(model, ["dense", "streaming", "oracle"])
-        found = [r for r in self.records(model, ["kvpop"]) if r["policy"] == "kvpop"]  # dense: the references'
-        summary = report.summarize(self.references + found, self.budgets, resamples=self.cfg.eval.resamples)
-        return heldout_metrics(summary, self.cfg.budget.total)
+        out = {}
+        for prefix, inputs in self.items.items():
+            if prefix not in self.references:
+                self.references[prefix] = self.records(model, list(HELDOUT_REFERENCES), inputs)
+            found = [r for r in self.records(model, ["kvpop"], inputs) if r["policy"] == "kvpop"]  # dense: the refs'
+            summary = report.summarize(self.references[prefix] + found, self.budgets,
+                                       resamples=self.cfg.eval.resamples)
+            out.update(heldout_metrics(summary, self.cfg.budget.total, prefix))
+        return out
 
 
-def heldout_metrics(summary: dict, total: int) -> dict[str, float]:
-    """The logged names (module docstring) of a :func:`pipelines.report.summarize` at budget ``total``; finite
-    values only."""
+def heldout_metrics(summary: dict, total: int, prefix: str = PREFIX) -> dict[str, float]:
+    """The logged names (module docstring) of a :func:`pipelines.report.summarize` at budget ``total``, under
+    ``prefix`` (a corpus's: :func:`corpus_prefix`); finite values only."""
     out = {}
 
     def put(name: str, entry: dict | None) -> None:
@@ -106,10 +141,22 @@ def heldout_metrics(summary: dict, total: int) -> dict[str, float]:
         return next((e for e in entries if e["policy"] == policy and e["metric"] == metric and e["B"] == total), None)
 
     for name, metric in _REPORTED.items():
-        put(f"{PREFIX}{name}", find(summary["metrics"], "kvpop", metric))
-        for policy in ("streaming", "oracle", "dense"):
+        put(f"{prefix}{name}", find(summary["metrics"], "kvpop", metric))
+        for policy in HELDOUT_REFERENCES:
             if (policy == "dense") == (name == "recall_exact"):  # dense: its text metrics are 0 / 1 by definition
-                put(f"{PREFIX}{policy}.{name}", find(summary["metrics"], policy, metric))
-    put(f"{PREFIX}gap_closed", find(summary["gap_closed"], "kvpop", "kl"))
-    put(f"{PREFIX}gap_closed_top1", find(summary["gap_closed"], "kvpop", "top1_agreement"))
+                put(f"{prefix}{policy}.{name}", find(summary["metrics"], policy, metric))
+    put(f"{prefix}gap_closed", find(summary["gap_closed"], "kvpop", "kl"))
+    put(f"{prefix}gap_closed_top1", find(summary["gap_closed"], "kvpop", "top1_agreement"))
     return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
+
+
+def logged_corpora(names) -> list[str]:
+    """The other corpora among logged metric ``names`` (those of some ``heldout.<corpus>.<kl|top1|gap_closed>``),
+    sorted."""
+    found = set()
+    for name in names:
+        parts = name.split(".")  # corpus names hold no dot (pipelines.config: eval.heldout_sources)
+        if len(parts) == 3 and f"{parts[0]}." == PREFIX and parts[1] not in HELDOUT_REFERENCES \
+                and parts[2] in ("kl", "top1", "gap_closed"):
+            found.add(parts[1])
+    return sorted(found)

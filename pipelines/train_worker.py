@@ -62,7 +62,7 @@ from kvpop.parameters import trainable_parameters
 from kvpop.pretrained import load_pretrained
 from kvpop.sharding import shard
 from pipelines.config import config_from_dict
-from pipelines.heldout import HeldoutEvaluator
+from pipelines.heldout import METRICS as HELDOUT_METRICS, HeldoutEvaluator
 
 TRAIN_MARKER = "kvpop_train.json"
 
@@ -370,7 +370,7 @@ class HeldoutRunner:
             _log_metrics(self.client, spec.mlflow_run_id, {**found, "heldout.eval_s": time.perf_counter() - t0},
                          step)
             shown = " ".join(f"{k.removeprefix('heldout.')} {v:.4f}" for k, v in found.items()
-                             if k in ("heldout.kl", "heldout.top1", "heldout.gap_closed", "heldout.recall_exact"))
+                             if k in HELDOUT_METRICS or k.endswith(".gap_closed"))  # other corpora: their gap
             print(f"[kvpop.train] step {step}/{spec.steps} held-out {shown}", flush=True)
         if dist.is_available() and dist.is_initialized():
             dist.barrier()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -137,8 +138,15 @@ def test_new_train_keys_enter_the_run_identity_only_away_from_their_defaults(tin
         changed = dataclasses.replace(base.train, **online, **{key: value}).optimisation()
         assert changed[key] == value and changed != before
     assert dataclasses.replace(base.train, schedule="cosine").optimisation()["steps"] == base.train.steps
-    evaluated = dataclasses.replace(base.train, eval_every=5, eval_sequences=1, eval_recall_samples=2)
+    evaluated = dataclasses.replace(base.train, eval_every=5, eval_sequences=1, eval_recall_samples=2,
+                                    eval_heldout_sources=True)
     assert evaluated.optimisation() == before  # evaluation is operational: the same run
+    stand_in = SimpleNamespace(key="TARGETS", identity={})  # the inputs' key, as tests/test_records.py names runs
+    plain = tiny_config(tiny_setup, tmp_path, "train.eval_every=2", "eval.heldout_sources=[stdlib]")
+    both = tiny_config(tiny_setup, tmp_path, "train.eval_every=2", "eval.heldout_sources=[stdlib]",
+                       "train.eval_heldout_sources=true")
+    assert train.run_name_of(both, stand_in) == train.run_name_of(plain, stand_in)
+    assert all(records.key_for(both, stage) == records.key_for(plain, stage) for stage in ("train", "evaluate"))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -152,6 +160,10 @@ def test_new_train_keys_enter_the_run_identity_only_away_from_their_defaults(tin
     (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
     (["train.eval_every=2", "train.eval_sequences=3"], "train.eval_sequences=3 is more than the data stage's 2"),
     (["train.eval_every=2", "train.policy=streaming", "train.mode=distill"], "train.eval_every evaluates the scorers"),
+    (["train.eval_every=2", "train.eval_heldout_sources=true"], "train.eval_heldout_sources evaluates the "
+                                                                "eval.heldout_sources corpora: name at least one"),
+    (["train.eval_heldout_sources=true", "eval.heldout_sources=[/data/streaming.jsonl]"],
+     r"corpus names \['streaming'\] may not be streaming / oracle / dense"),
 ])
 def test_bad_train_settings_are_one_line(tiny_setup, tmp_path, extra, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -179,12 +191,13 @@ def test_held_out_evaluation_measures_kvpop_against_references_measured_once(tin
     cfg = tiny_config(tiny_setup, tmp_path / "home", "train.eval_every=1", "train.eval_sequences=2",
                       "eval.resamples=200")
     evaluator = HeldoutEvaluator(cfg)
-    assert [s["id"] for s in evaluator.inputs["sequences"]] == [
+    assert list(evaluator.items) == ["heldout."]  # the training source's alone: train.eval_heldout_sources is off
+    assert [s["id"] for s in evaluator.items["heldout."]["sequences"]] == [
         s["id"] for s in train.load_sequences(cfg, "eval")][:2]
     model, _ = build_student(_spec(tiny_setup, tmp_path))
     model.eval()
     first = evaluator(model)
-    references = evaluator.references
+    references = evaluator.references["heldout."]
     assert {r["policy"] for r in references} == {"dense", "streaming", "oracle"}
     for key in ("heldout.kl", "heldout.top1", "heldout.gap_closed", "heldout.streaming.kl", "heldout.oracle.kl"):
         assert key in first and f"{key}.lo" in first and f"{key}.hi" in first, key
@@ -193,7 +206,7 @@ def test_held_out_evaluation_measures_kvpop_against_references_measured_once(tin
         for p in kvpop.scorers(model).parameters():
             p.add_(torch.randn_like(p))
     second = evaluator(model)
-    assert evaluator.references is references
+    assert evaluator.references["heldout."] is references
     assert second["heldout.streaming.kl"] == first["heldout.streaming.kl"]
     assert second["heldout.kl"] != first["heldout.kl"]
     gap = (second["heldout.streaming.kl"] - second["heldout.kl"]) / (
@@ -201,8 +214,110 @@ def test_held_out_evaluation_measures_kvpop_against_references_measured_once(tin
     assert second["heldout.gap_closed"] == pytest.approx(gap, abs=1e-5)  # means of item values rounded to 1e-6
 
 
-def test_the_learning_curve_is_drawn_from_a_sqlite_mlflow_store(tmp_path):
+def _other_corpus_config(tiny_setup, tmp_path, *extra: str):
+    """The tiny config evaluating during training a corpus it never trains on, ``extra_docs`` (another seed's
+    documents): 3 held-out sequences a corpus, the first 2 evaluated."""
+    from tests.models import write_docs
+
+    source = tmp_path / "extra_docs.jsonl"
+    if not source.exists():
+        write_docs(source, 12, seed=1)
+    return tiny_config(tiny_setup, tmp_path / "home", "data.eval_sequences=3", "train.eval_every=2",
+                       "train.eval_sequences=2", "eval.resamples=200", "eval.policies=[dense,streaming,oracle,kvpop]",
+                       f"eval.heldout_sources=[{source}]", *extra), str(source)
+
+
+def test_held_out_evaluation_of_another_corpus_is_the_evaluation_stages_on_its_items(tiny_setup, tmp_path):
+    """train.eval_heldout_sources: the first train.eval_sequences of each eval.heldout_sources corpus's held-out
+    split, measured as the evaluation stage measures that corpus (eval_parts.corpus_items) and logged under
+    heldout.<corpus>.*; the training source's metrics are the run's without it."""
+    from pipelines import eval_parts, report
+    from pipelines.data import heldout_source_config
+    from pipelines.heldout import HeldoutEvaluator
+
+    cfg, source = _other_corpus_config(tiny_setup, tmp_path, "train.eval_heldout_sources=true")
+    evaluator = HeldoutEvaluator(cfg)
+    assert list(evaluator.items) == ["heldout.", "heldout.extra_docs."]
+    held_out = train.load_sequences(heldout_source_config(cfg, source), "eval")
+    assert len(held_out) == 3
+    items = evaluator.items["heldout.extra_docs."]
+    assert [s["input_ids"] for s in items["sequences"]] == [s["input_ids"] for s in held_out[:2]]
+    assert items["samples"] == [] and items["sequences"] != evaluator.items["heldout."]["sequences"]
+    model, _ = build_student(_spec(tiny_setup, tmp_path))
+    model.eval()
+    found = evaluator(model)
+    assert set(evaluator.references) == {"heldout.", "heldout.extra_docs."}  # each corpus's references, once
+    plain, _ = _other_corpus_config(tiny_setup, tmp_path)
+    assert {k: v for k, v in found.items() if not k.startswith("heldout.extra_docs.")} == HeldoutEvaluator(plain)(model)
+    # the evaluation stage on the same items: every policy at the training budget, summarised the same way
+    stage_inputs = {**evaluator.items["heldout."], "budgets": [cfg.budget]}
+    records, _ = eval_parts.corpus_items(cfg, stage_inputs, "extra_docs", held_out[:2], model, None, progress=False)
+    summary = report.summarize(records, evaluator.budgets, resamples=200)
+
+    def stage(table: str, policy: str, metric: str) -> float:
+        return next(e["estimate"] for e in summary[table] if e["policy"] == policy and e["metric"] == metric)
+
+    for name, table, policy, metric in (("kl", "metrics", "kvpop", "kl"), ("top1", "metrics", "kvpop", "top1_agreement"),
+                                        ("streaming.kl", "metrics", "streaming", "kl"),
+                                        ("oracle.top1", "metrics", "oracle", "top1_agreement"),
+                                        ("gap_closed", "gap_closed", "kvpop", "kl")):
+        assert found[f"heldout.extra_docs.{name}"] == pytest.approx(stage(table, policy, metric)), name
+        assert f"heldout.extra_docs.{name}.lo" in found and f"heldout.extra_docs.{name}.hi" in found, name
+    assert found["heldout.extra_docs.kl"] != found["heldout.kl"]
+    assert not any(k.startswith("heldout.extra_docs.recall") for k in found)  # text only: no recall cells there
+
+
+def test_another_corpus_is_logged_at_each_evaluation_point(tiny_setup, tmp_path):
+    """The train worker's held-out runner logs heldout.<corpus>.* beside heldout.* at every evaluation point."""
+    from pipelines.train_worker import HeldoutRunner
+
+    class Client:  # the MlflowClient calls the runner makes: the batches it logs
+        def __init__(self):
+            self.logged = []
+
+        def log_batch(self, run_id, metrics):
+            self.logged += [(run_id, m.key, m.step, m.value) for m in metrics]
+
+    cfg, _ = _other_corpus_config(tiny_setup, tmp_path, "train.eval_heldout_sources=true", "train.eval_sequences=1")
+    spec = _spec(tiny_setup, tmp_path, steps=2, eval_every=2, eval_config=cfg.to_dict(), mlflow_run_id="run")
+    model, _ = build_student(spec)
+    client = Client()
+    runner = HeldoutRunner(model, spec, 0, client, torch.device("cpu"))
+    for step in (0, 2):
+        runner(step)
+        with torch.no_grad():  # the scorers move between points
+            for p in kvpop.scorers(model).parameters():
+                p.add_(0.5 * torch.randn_like(p))
+    steps = {}
+    for run_id, key, step, _ in client.logged:
+        assert run_id == "run"
+        steps.setdefault(key, []).append(step)
+    for name in ("heldout.kl", "heldout.extra_docs.kl", "heldout.extra_docs.top1", "heldout.extra_docs.gap_closed",
+                 "heldout.extra_docs.streaming.kl", "heldout.extra_docs.oracle.top1"):
+        assert steps[name] == [0, 2], name
+    assert len({v for _, key, _, v in client.logged if key == "heldout.extra_docs.kl"}) == 2
+
+
+def test_another_corpus_without_enough_held_out_sequences_is_refused_before_training(tiny_setup, tmp_path):
+    from tests.models import write_docs
+
+    short = tmp_path / "short_docs.jsonl"
+    write_docs(short, 2, seed=2, min_words=5, max_words=10)  # fewer tokens than one sequence of 64
+    cfg = tiny_config(tiny_setup, tmp_path / "home", "train.targets_source=online", "train.eval_every=2",
+                      f"eval.heldout_sources=[{short}]", "train.eval_heldout_sources=true")
+    with pytest.raises(ConfigError, match=r"^train.eval_heldout_sources: eval.heldout_sources .*short_docs.jsonl.*: "
+                                          r"data.source yields only 0 \w+ sequences of 64 tokens") as err:
+        train.open_inputs(cfg)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "home" / "runs").exists()
+    off = tiny_config(tiny_setup, tmp_path / "home", "train.targets_source=online", "train.eval_every=2",
+                      f"eval.heldout_sources=[{short}]")
+    assert train.open_inputs(off).input_ids.shape == (8, 64)  # off: the corpus is the evaluation stage's alone
+
+
+def test_the_learning_curve_is_drawn_from_a_sqlite_mlflow_store(tmp_path, monkeypatch):
     import mlflow
+    from matplotlib.figure import Figure
     from mlflow.entities import Metric
 
     from pipelines.curves import metric_history, plot_learning_curve
@@ -218,10 +333,22 @@ def test_the_learning_curve_is_drawn_from_a_sqlite_mlflow_store(tmp_path):
     metrics += [Metric("heldout.streaming.kl", 1.0, 0, s) for s in values]
     metrics += [Metric("heldout.gap_closed", 1 - v, 0, s) for s, v in values.items()]
     metrics += [Metric("heldout.kl", 0.5, 1, 10)]  # a resumed run logged step 10 again: the later value counts
+    # train.eval_heldout_sources: another corpus's kvpop lines (its references are not drawn)
+    metrics += [Metric(f"heldout.extra_docs.{name}", v, 0, s) for s, v in values.items() for name in
+                ("kl", "kl.lo", "kl.hi", "gap_closed", "streaming.kl")]
     client.log_batch(run.info.run_id, metrics=metrics)
     assert metric_history(client, run.info.run_id, "heldout.kl") == [(0, 0.9), (5, 0.6), (10, 0.5)]
+    drawn = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (drawn.append(fig), original(fig, *a, **k))[1])
     path = plot_learning_curve(run.info.run_id, uri, tmp_path / "out" / "curve.png")
     assert path == tmp_path / "out" / "curve.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    legends = {ax.get_title(): [t.get_text() for t in ax.get_legend().get_texts()] for ax in drawn[0].axes}
+    assert legends == {"KL(dense ‖ policy), nats/token": ["kvpop, training corpus", "95 % interval",
+                                                          "kvpop, extra_docs", "streaming"],
+                       "streaming → oracle KL gap closed": ["kvpop, training corpus", "kvpop, extra_docs"]}
+    extra = [line for line in drawn[0].axes[0].get_lines() if line.get_label() == "kvpop, extra_docs"]
+    assert [list(line.get_ydata()) for line in extra] == [list(values.values())]
     from PIL import Image
 
     width, height = Image.open(path).size
@@ -243,16 +370,21 @@ def test_an_online_run_resumed_after_n_steps_is_one_run_of_n_plus_m_steps_with_i
         tiny_setup, tmp_path, ray_cluster):
     """Online targets, a seeded shuffle per epoch (8 sequences, 2 a step: step 5 is in the second epoch), two warm-up
     steps: 3 steps, then the same run to 5 (resumed from its DCP checkpoint of step 3) holds the very scorers of one
-    uninterrupted 5-step run; its held-out evaluations are the run's MLflow metrics, its curve the run's artifact."""
+    uninterrupted 5-step run; its held-out evaluations are the run's MLflow metrics, its curve the run's artifact.
+    The resumed part also evaluates another corpus (train.eval_heldout_sources, operational: the same run)."""
     import mlflow
 
+    from tests.models import write_docs
+
+    write_docs(tmp_path / "extra_docs.jsonl", 12, seed=1)
+    other = [f"eval.heldout_sources=[{tmp_path / 'extra_docs.jsonl'}]", "train.eval_heldout_sources=true"]
     common = ["train.targets_source=online", "train.shuffle_seed=3", "train.warmup_steps=2", "train.scorer=mlp",
               "train.batch_size=2", "train.num_workers=1", "train.cpus_per_worker=1", "train.strategy=none",
               "train.checkpoint_every=2", "train.max_failures=0", "eval.resamples=200"]
     evaluated = ["train.eval_every=2", "train.eval_sequences=2"]
     home = tmp_path / "home"
     first = train.run(tiny_config(tiny_setup, home, *common, *evaluated, "train.steps=3"))
-    cfg = tiny_config(tiny_setup, home, *common, *evaluated, "train.steps=5")
+    cfg = tiny_config(tiny_setup, home, *common, *evaluated, *other, "train.steps=5")
     resumed = train.run(cfg)
     assert resumed.run_name == first.run_name and resumed.mlflow_run_id == first.mlflow_run_id
     assert resumed.resumed_from == 3
@@ -277,6 +409,8 @@ def test_an_online_run_resumed_after_n_steps_is_one_run_of_n_plus_m_steps_with_i
     assert curve == {0, 2, 3, 4, 5}  # fresh start, every 2 steps, each run's last step
     for name in ("heldout.top1", "heldout.gap_closed", "heldout.streaming.kl", "heldout.oracle.kl"):
         assert {m.step for m in client.get_metric_history(run_id, name)} == curve, name
+    for name in ("heldout.extra_docs.kl", "heldout.extra_docs.gap_closed", "heldout.extra_docs.streaming.kl"):
+        assert {m.step for m in client.get_metric_history(run_id, name)} == {4, 5}, name  # the resumed part's points
     assert "learning_curve.png" in {a.path for a in client.list_artifacts(run_id)}
     assert not client.get_metric_history(once.mlflow_run_id, "heldout.kl")  # evaluation is per run: off there
     params = client.get_run(run_id).data.params
