@@ -11,7 +11,9 @@ end=$(($(date +%s) + ${1:?usage: device_poll.sh SECONDS}))
 finished() { grep -q "^done " /tmp/r/progress.log 2>/dev/null; }
 while [ "$(date +%s)" -lt "$end" ] && ! finished; do sleep 5; done
 cat /tmp/r/progress.log /tmp/r/*/progress.log 2>/dev/null; date +%T
-for f in /tmp/r/*.log /tmp/r/*/*.log; do [ -e "$f" ] || continue; echo "== $f"; tail -c 700 "$f" | tr '\r' '\n' | grep -v '^\s*$' | tail -4; done
+for f in /tmp/r/*.log /tmp/r/*/*.log; do
+  [ -e "$f" ] && { echo "== $f"; tail -c 700 "$f" | tr '\r' '\n' | grep -v '^\s*$' | tail -4; }
+done
 nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader 2>/dev/null
 # the session's own tarballs hold the state once it is done: no stale backup beside them
 if finished; then rm -f /tmp/r/kvhome_backup.tgz
