@@ -32,7 +32,8 @@ run_part() {
     # the tests that only run where CUDA is (skipped in CI): CUDA-graph replay equals eager stepping, compiled paths
     gputests)   python -m pytest -q -rs --continue-on-collection-errors tests/test_cache.py tests/test_attention.py \
                   tests/test_dms.py tests/test_evaluation.py tests/test_evaluate_baselines.py \
-                  tests/test_fused_prefill.py tests/test_headwise.py tests/test_soft_retention.py -k "graphed or cuda" ;;
+                  tests/test_fused_prefill.py tests/test_headwise.py tests/test_soft_retention.py \
+                  -k "graphed or cuda" ;;
     # teacher forward vs teacher pass vs per-layer target pass at S = 8192, one shard, the Ray stage
     precompute) python benchmarks/precompute_gpu.py --model smollm2 --seq-len 8192 --sequences 16 --ray --out "$out" ;;
     # the pipeline on GPU (Ray Data precompute, Ray Train FSDP2 training, evaluation) per variant
