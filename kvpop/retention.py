@@ -153,9 +153,11 @@ def eviction_positions(priority: torch.Tensor, budget: Budget, positions: torch.
     else:
         # non-competitors sit before every competitor and get -inf, so they take the lowest ranks and never evict one
         rank, _ = ranks_newer_wins(torch.where(competes, priority, float("-inf")))
-        # theta[..., j]: k-th best rank once entries 0..j are eligible (a row at k = 0 is overridden below)
-        theta = prefix_kth_largest(rank, k if k_rows is None else k_rows.clamp(min=1))
-        first_beaten = torch.searchsorted(theta.contiguous(), rank.contiguous(), right=True)
+        # theta[r, j]: k-th best rank of row r once entries 0..j are eligible (a row at k = 0 is overridden below);
+        # rows of one 2-D buffer: inductor (torch 2.11, CUDA) cannot lower searchsorted over a reshaped view of one
+        rows = rank.reshape(-1, size)
+        theta = prefix_kth_largest(rows, k if k_rows is None else k_rows.clamp(min=1).reshape(-1))
+        first_beaten = torch.searchsorted(theta, rows, right=True).reshape(rank.shape)
         index = torch.maximum(first_beaten, torch.arange(size, device=priority.device))  # not before it is eligible
         leave = torch.where(index < size, pos.gather(-1, index.clamp(max=size - 1)) + w, never)
         if k_rows is not None:

@@ -423,7 +423,8 @@ def capacity_metrics(result: dict) -> tuple[dict, dict]:
     metrics.update(_table_metrics(prefill, ("model", "context", "policy", "rows", "chunk"),
                                   ("prefill_s", "tokens_per_s", "x_dense", "peak_gib"), prefix="prefill/"))
     params = {"preset": result.get("preset"), "sink": result.get("sink"), "window": result.get("window"),
-              "steps": result.get("steps"), "copy_bandwidth_gbs": result.get("copy_bandwidth_gbs")}
+              "steps": result.get("steps"), "copy_bandwidth_gbs": result.get("copy_bandwidth_gbs"),
+              "compiled_prefill": result.get("compiled_prefill"), "compiled_kvpop_step": result.get("compiled_kvpop_step")}
     return params, metrics
 
 
@@ -835,8 +836,11 @@ def _run_table(run: Run) -> list[str]:
 
 def _describe(run: Run) -> str:
     tags = ", ".join(f"{k} `{run.tags[k]}`" for k in PROVENANCE if k in run.tags and k != "commit")
+    # a benchmark's settings (preset, what was compiled, …) say what its numbers are of
+    params = ", ".join(f"{k} `{v}`" for k, v in sorted(run.params.items()) if run.kind == "benchmark"
+                       and v not in (None, "") and k != "copy_bandwidth_gbs")
     return (f"**`{run.name}`** ({run.kind}; run `{run.run_id}`, commit `{run.commit}`"
-            + (f"; {tags}" if tags else "") + ")")
+            + (f"; {tags}" if tags else "") + ")" + (f"; {params}" if params else ""))
 
 
 # README's headline: (run name, policies) — the latest run of each name in the ledger, those policies' leaderboard rows.

@@ -269,12 +269,13 @@ def make_spec(cfg: PipelineConfig, targets: TrainInputs, name: str, storage: Pat
 def training_dataset(targets: store.Targets, columns: list[str], copies: int):
     """``copies`` epochs of the target rows in file order, one Ray Dataset (the trainer reads it with
     ``preserve_order``, so a resumed run can skip exactly the batches it trained on). Targets up to
-    :data:`READ_ONCE_BYTES` on disk are read once, by this process, into the object store, and every epoch is that
-    one block: streamed, each epoch's reads started only when the trainer asked for them and stalled it (~8 s per
-    epoch on 2 cores, 106 s of ``make run``'s 90 steps), and Ray Data's Parquet reader starts a pool of
-    footer-reading actors per read (up to 32 processes, ~2 CPU-s each): more work than a small store's rows. Larger
-    targets stream through :func:`ordered_dataset`: a union of several-block datasets would interleave the epochs
-    block by block (each block three times in a row for three epochs), not epoch after epoch."""
+    :data:`READ_ONCE_BYTES` on disk are read once, by this process, into one block of the object store (one remote
+    task computes its metadata), and every epoch is that block. Streamed instead, each epoch's reads started only
+    when the trainer asked for them and stalled it (~8 s per epoch on 2 cores, 106 s of ``make run``'s 90 steps), and
+    Ray Data's Parquet reader starts a pool of footer-reading actors per read (up to 32 processes, ~2 CPU-s each):
+    more work than a small store's rows. Larger targets stream through :func:`ordered_dataset`: a union of
+    several-block datasets would interleave the epochs block by block (each block three times in a row for three
+    epochs), not epoch after epoch."""
     import ray
     from ray.data import DataContext
 
@@ -284,8 +285,8 @@ def training_dataset(targets: store.Targets, columns: list[str], copies: int):
     options = DataContext.get_current().execution_options  # a Dataset keeps the context it was made in
     before, options.preserve_order = options.preserve_order, True
     try:
-        epoch = ray.put(pa.concat_tables([pq.read_table(f, columns=columns) for f in files]))
-        return ray.data.from_arrow_refs([epoch] * copies)
+        once = ray.data.from_arrow(pa.concat_tables([pq.read_table(f, columns=columns) for f in files]))
+        return once.union(*[once] * (copies - 1)) if copies > 1 else once  # one block each: epoch after epoch
     finally:
         options.preserve_order = before
 
