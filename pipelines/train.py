@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -378,7 +379,9 @@ def make_trainer(cfg: PipelineConfig, targets: TrainInputs, spec: TrainSpec, *, 
     run_dir = Path(spec.run_dir)
     return TorchTrainer(
         train_loop,
-        train_loop_config={"spec": spec},
+        # pickled here: Ray Train's controller process unpickles its config, and a TrainSpec would import this
+        # stage's worker module (torch + transformers + kvpop, ~2 CPU-s more than the controller needs)
+        train_loop_config={"spec": pickle.dumps(spec)},
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
                                                resources_per_worker=resources),

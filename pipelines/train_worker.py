@@ -377,11 +377,13 @@ class HeldoutRunner:
 
 
 def train_loop(config: dict) -> None:
-    """The Ray Train (V2) per-worker training function; ``config = {"spec": TrainSpec}``."""
+    """The Ray Train (V2) per-worker training function; ``config = {"spec": pickled TrainSpec}``."""
+    import pickle
+
     import ray.train
     import ray.train.torch
 
-    spec: TrainSpec = config["spec"]
+    spec: TrainSpec = pickle.loads(config["spec"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
