@@ -397,7 +397,9 @@ def make_trainer(cfg: PipelineConfig, targets: TrainInputs, spec: TrainSpec, *, 
                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
                 **({"NCCL_NVLS_ENABLE": "0"} if t.use_gpu else {})}}),
         datasets={"train": dataset},
-        dataset_config=ray.train.DataConfig(execution_options=ingest),
+        # one worker iterates the whole dataset itself: a split would start a coordinator actor for nothing
+        dataset_config=ray.train.DataConfig(datasets_to_split="all" if t.num_workers > 1 else [],
+                                            execution_options=ingest),
     )
 
 
