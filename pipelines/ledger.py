@@ -424,7 +424,8 @@ def capacity_metrics(result: dict) -> tuple[dict, dict]:
                                   ("prefill_s", "tokens_per_s", "x_dense", "peak_gib"), prefix="prefill/"))
     params = {"preset": result.get("preset"), "sink": result.get("sink"), "window": result.get("window"),
               "steps": result.get("steps"), "copy_bandwidth_gbs": result.get("copy_bandwidth_gbs"),
-              "compiled_prefill": result.get("compiled_prefill"), "compiled_kvpop_step": result.get("compiled_kvpop_step")}
+              "compiled_prefill": result.get("compiled_prefill"),
+              "compiled_kvpop_step": result.get("compiled_kvpop_step")}
     return params, metrics
 
 

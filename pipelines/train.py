@@ -380,7 +380,7 @@ def make_trainer(cfg: PipelineConfig, targets: TrainInputs, spec: TrainSpec, *, 
     return TorchTrainer(
         train_loop,
         # pickled here: Ray Train's controller process unpickles its config, and a TrainSpec would import this
-        # stage's worker module (torch + transformers + kvpop, ~2 CPU-s more than the controller needs)
+        # stage's worker module (transformers + kvpop: ~4 CPU-s more than the controller needs, per run)
         train_loop_config={"spec": pickle.dumps(spec)},
         torch_config=TorchConfig(backend="nccl" if t.use_gpu else "gloo"),
         scaling_config=ray.train.ScalingConfig(num_workers=t.num_workers, use_gpu=t.use_gpu,
