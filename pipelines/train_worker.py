@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import pickle
 import shutil
 import tempfile
 import time
@@ -378,8 +379,6 @@ class HeldoutRunner:
 
 def train_loop(config: dict) -> None:
     """The Ray Train (V2) per-worker training function; ``config = {"spec": pickled TrainSpec}``."""
-    import pickle
-
     import ray.train
     import ray.train.torch
 
