@@ -40,6 +40,7 @@ read, no tokenizer, no weight hashing. :func:`make_spec` and :func:`make_trainer
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -278,16 +279,25 @@ def training_dataset(targets: store.Targets, columns: list[str], copies: int):
     several-block datasets would interleave the epochs block by block (each block three times in a row for three
     epochs), not epoch after epoch."""
     import ray
-    from ray.data import DataContext
 
     files = [str(f) for f in targets.files]
     if sum(os.path.getsize(f) for f in files) > READ_ONCE_BYTES:
         return ordered_dataset(targets, columns, copies * targets.num_rows, seed=None)
-    options = DataContext.get_current().execution_options  # a Dataset keeps the context it was made in
-    before, options.preserve_order = options.preserve_order, True
-    try:
+    with _order_preserved():
         once = ray.data.from_arrow(pa.concat_tables([pq.read_table(f, columns=columns) for f in files]))
         return once.union(*[once] * (copies - 1)) if copies > 1 else once  # one block each: epoch after epoch
+
+
+@contextlib.contextmanager
+def _order_preserved():
+    """Datasets made inside keep their blocks in order (a Dataset keeps the Ray Data context it was made in); the
+    driver's own setting is restored after."""
+    from ray.data import DataContext
+
+    options = DataContext.get_current().execution_options
+    before, options.preserve_order = options.preserve_order, True
+    try:
+        yield
     finally:
         options.preserve_order = before
 
@@ -342,19 +352,14 @@ def ordered_dataset(targets: TrainInputs, columns: list[str], rows_needed: int, 
     """The first ``rows_needed`` rows of the run's row sequence (:func:`row_order`) as one Ray Dataset, in order
     (the trainer reads it with ``preserve_order``, so a resumed run skips exactly the batches it trained on)."""
     import ray
-    from ray.data import DataContext
 
     if isinstance(targets, OnlineSequences):
         rows = _RowsByPosition(targets.num_rows, seed, columns, ids_ref=ray.put(targets.input_ids))
     else:
         rows = _RowsByPosition(targets.num_rows, seed, columns, files=[str(f) for f in targets.files],
                                file_rows=[r.rows for r in targets.records])
-    options = DataContext.get_current().execution_options
-    before, options.preserve_order = options.preserve_order, True
-    try:
+    with _order_preserved():
         return ray.data.range(rows_needed).map_batches(rows, batch_format="numpy", batch_size=64)
-    finally:
-        options.preserve_order = before
 
 
 def make_trainer(cfg: PipelineConfig, targets: TrainInputs, spec: TrainSpec, *, callbacks: tuple = ()):
