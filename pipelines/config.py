@@ -200,7 +200,7 @@ class TrainConfig:
     schedule: str = "constant"  # constant | cosine (after the warm-up, lr decays to 0 over the run's train.steps:
     #     then train.steps is part of what is optimised, and a cosine run is not lengthened by resuming it)
     shuffle_seed: int | None = None  # null: rows in file order every epoch; an int: epoch e reads the rows in a
-    #     permutation drawn from (shuffle_seed, e) (pipelines.train.epoch_permutation)
+    #     permutation drawn from (shuffle_seed, e) (pipelines.row_sequence.epoch_permutation)
     eval_every: int = 0  # held-out evaluation every this many steps (and at the last), logged as the run's MLflow
     #     metrics heldout.* (pipelines.heldout); 0 = none
     eval_sequences: int = 0  # held-out sequences it evaluates: the first N of the data stage's eval split (0 = all

@@ -25,9 +25,9 @@
    Fewer steps than the run's final model holds is refused: a run only grows. A run whose latest checkpoint fails
    its manifest (:func:`check_resumable`, :mod:`kvpop.checkpointing`) is refused in one line before anything starts;
    a failure while a FINISHED run trains further leaves it FINISHED (its model and record stay valid).
-   The rows reach the workers as one Ray Dataset in the run's order: file order every epoch, or — online, or with
-   ``train.shuffle_seed`` — epoch after epoch in :func:`epoch_permutation`'s order (:func:`ordered_dataset`), so a
-   resumed run skips exactly the batches it trained on.
+   The rows reach the workers as one Ray Dataset in the run's order (:mod:`pipelines.row_sequence`): file order
+   every epoch, or — online, or with ``train.shuffle_seed`` — epoch after epoch in a seeded permutation
+   (:func:`ordered_dataset`), so a resumed run skips exactly the batches it trained on.
 4. **Commit, exactly once**: log the final model as the run's ``model`` artifact (unless already there) and, with
    ``train.eval_every``, the learning curve drawn from its held-out metrics (:data:`CURVE_ARTIFACT`), tag it,
    end the run ``FINISHED``, then write the train record — the commit point. A driver killed anywhere before the
@@ -64,6 +64,7 @@ from pipelines.curves import plot_learning_curve
 from pipelines.data import load_sequences, load_tokenizer, sequences_dir
 from pipelines.heldout import check_heldout
 from pipelines.identity import file_digest, init_identity, tensors_digest
+from pipelines.row_sequence import RowsByPosition
 from pipelines.train_worker import TrainSpec, train_loop, trained_steps
 
 FINAL_MODEL = "final_model"
@@ -302,61 +303,16 @@ def _order_preserved():
         options.preserve_order = before
 
 
-def epoch_permutation(num_rows: int, seed: int, epoch: int) -> np.ndarray:
-    """The row order of ``epoch`` (0-based) under ``train.shuffle_seed`` ``seed``: a permutation drawn from
-    ``(seed, epoch)`` alone, so any step's rows are known without replaying the epochs before it."""
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_rows)
-
-
-def row_order(num_rows: int, positions: np.ndarray, seed: int | None) -> np.ndarray:
-    """The rows at ``positions`` of a run's row sequence: every row once per epoch, epoch after epoch, in file order
-    (``seed`` None) or in :func:`epoch_permutation`'s order."""
-    positions = np.asarray(positions, dtype=np.int64)
-    epochs, within = np.divmod(positions, num_rows)
-    if seed is None:
-        return within
-    out = np.empty_like(within)
-    for epoch in np.unique(epochs):
-        chosen = epochs == epoch
-        out[chosen] = epoch_permutation(num_rows, seed, int(epoch))[within[chosen]]
-    return out
-
-
-class _RowsByPosition:
-    """Ray Data batch function: ``{"id": positions}`` (``ray.data.range``) → the rows at those positions of the
-    run's row sequence (:func:`row_order`), from the online run's token ids (an object reference) or from the stored
-    target files (each file read once per batch)."""
-
-    def __init__(self, num_rows: int, seed: int | None, columns: list[str], ids_ref=None,
-                 files: list[str] = (), file_rows: list[int] = ()):
-        self.num_rows, self.seed, self.columns, self.ids_ref = num_rows, seed, columns, ids_ref
-        self.files, self.starts = list(files), np.cumsum([0, *file_rows])
-
-    def __call__(self, batch: dict) -> dict:
-        import ray
-
-        rows = row_order(self.num_rows, batch["id"], self.seed)
-        if self.ids_ref is not None:
-            return {"input_ids": ray.get(self.ids_ref)[rows]}
-        file_of = np.searchsorted(self.starts, rows, side="right") - 1
-        parts, where = [], []
-        for f in np.unique(file_of):
-            chosen = np.nonzero(file_of == f)[0]
-            parts.append(pq.read_table(self.files[f], columns=self.columns).take(rows[chosen] - self.starts[f]))
-            where.append(chosen)
-        table = pa.concat_tables(parts).take(np.argsort(np.concatenate(where)))
-        return {name: table.column(name).combine_chunks().to_numpy_ndarray() for name in self.columns}
-
-
 def ordered_dataset(targets: TrainInputs, columns: list[str], rows_needed: int, seed: int | None):
-    """The first ``rows_needed`` rows of the run's row sequence (:func:`row_order`) as one Ray Dataset, in order
-    (the trainer reads it with ``preserve_order``, so a resumed run skips exactly the batches it trained on)."""
+    """The first ``rows_needed`` rows of the run's row sequence (:mod:`pipelines.row_sequence`) as one Ray Dataset,
+    in order (the trainer reads it with ``preserve_order``, so a resumed run skips exactly the batches it trained
+    on)."""
     import ray
 
     if isinstance(targets, OnlineSequences):
-        rows = _RowsByPosition(targets.num_rows, seed, columns, ids_ref=ray.put(targets.input_ids))
+        rows = RowsByPosition(targets.num_rows, seed, columns, ids_ref=ray.put(targets.input_ids))
     else:
-        rows = _RowsByPosition(targets.num_rows, seed, columns, files=[str(f) for f in targets.files],
+        rows = RowsByPosition(targets.num_rows, seed, columns, files=[str(f) for f in targets.files],
                                file_rows=[r.rows for r in targets.records])
     with _order_preserved():
         return ray.data.range(rows_needed).map_batches(rows, batch_format="numpy", batch_size=64)

@@ -16,7 +16,7 @@ import torch
 import kvpop
 from kvpop.objective import Objective
 from kvpop.pretrained import load_pretrained
-from pipelines import precompute, records, store, train
+from pipelines import precompute, records, row_sequence, store, train
 from pipelines.config import ConfigError
 from pipelines.train_worker import TrainSpec, batch_losses, build_student, lr_factor
 from tests.pipeline_helpers import tiny_config
@@ -113,18 +113,18 @@ def test_warmup_and_schedule_learning_rates():
 @pytest.mark.parametrize("rows", [1, 2, 7])
 def test_each_epoch_is_a_permutation_drawn_from_the_seed_and_the_epoch(rows):
     seed = 5
-    epochs = [train.epoch_permutation(rows, seed, e) for e in range(4)]
+    epochs = [row_sequence.epoch_permutation(rows, seed, e) for e in range(4)]
     for order in epochs:
         assert sorted(order.tolist()) == list(range(rows))
-    assert all(np.array_equal(a, b) for a, b in zip(epochs, [train.epoch_permutation(rows, seed, e)
+    assert all(np.array_equal(a, b) for a, b in zip(epochs, [row_sequence.epoch_permutation(rows, seed, e)
                                                              for e in range(4)]))
     if rows == 7:  # fresh orders: not one order repeated, and another seed gives others
         assert len({tuple(o) for o in epochs}) > 1
-        assert not np.array_equal(train.epoch_permutation(rows, seed + 1, 0), epochs[0])
+        assert not np.array_equal(row_sequence.epoch_permutation(rows, seed + 1, 0), epochs[0])
     # the run's row sequence, at any positions (in any order), is the epochs' permutations concatenated
     positions = np.random.default_rng(0).permutation(4 * rows)
-    assert np.array_equal(train.row_order(rows, positions, seed), np.concatenate(epochs)[positions])
-    assert np.array_equal(train.row_order(rows, positions, None), positions % rows)  # no seed: file order
+    assert np.array_equal(row_sequence.row_order(rows, positions, seed), np.concatenate(epochs)[positions])
+    assert np.array_equal(row_sequence.row_order(rows, positions, None), positions % rows)  # no seed: file order
 
 
 def test_new_train_keys_enter_the_run_identity_only_away_from_their_defaults(tiny_setup, tmp_path):
@@ -424,7 +424,7 @@ def test_the_ordered_dataset_reads_each_epoch_in_its_seeded_order(tiny_setup, tm
     for seed in (None, 4):
         dataset = train.ordered_dataset(inputs, ["input_ids"], 20, seed)  # 2.5 epochs of 8 rows
         got = np.stack([row["input_ids"] for row in dataset.iter_rows()])
-        assert np.array_equal(got, inputs.input_ids[train.row_order(8, np.arange(20), seed)])
+        assert np.array_equal(got, inputs.input_ids[row_sequence.row_order(8, np.arange(20), seed)])
 
 
 @pytest.mark.ray
@@ -432,7 +432,7 @@ def test_stored_targets_are_read_in_the_seeded_order_too(tiny_targets):
     targets = store.open_targets(tiny_targets[1].path)
     columns = ["input_ids", "targets_w8", "topk_indices"]
     table = targets.read_table(columns)
-    order = train.row_order(targets.num_rows, np.arange(12), 1)
+    order = row_sequence.row_order(targets.num_rows, np.arange(12), 1)
     got = list(train.ordered_dataset(targets, columns, 12, 1).iter_rows())
     assert len(got) == 12
     for row, index in zip(got, order):
