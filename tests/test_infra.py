@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -32,15 +33,24 @@ GRPC_METHODS = ("/ray.rpc.NodeInfoGcsService/GetAllNodeInfo", "/ray.rpc.NodeMana
 
 
 def _free_ports(count: int) -> list[int]:
-    """Free TCP ports from the ephemeral range (outside Ray's default worker ports 10002-19999)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
+    """Free TCP ports between Ray's worker ports (10002-19999) and the kernel's ephemeral range (32768+ here): the
+    ports Ray's own processes and every outgoing connection take come from those two ranges, so a port chosen here
+    stays free until the stack binds it. (Chosen from the ephemeral range, a dashboard port was taken in between by
+    a process of the other pytest worker's cluster, and the stack's HTTP checks read gRPC bytes.)"""
+    ephemeral = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    first_ephemeral = int(ephemeral.read_text().split()[0]) if ephemeral.exists() else 32768
+    draw = random.SystemRandom()  # not the tests' seeded generator: another run on this machine draws other ports
+    ports: list[int] = []
+    while len(ports) < count:
+        port = draw.randint(20000, max(20000 + 10 * count, first_ephemeral - 1))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def _request(url: str, payload: dict | None = None, timeout: float = 30) -> tuple[int, bytes]:
