@@ -37,7 +37,7 @@ import torch
 from kvpop.allocation import (ALLOCATION_FILE, AllocationError, Allocation, allocate, budget_summary, kept_mass,
                               load_allocation, save_allocation, slot_gain_sums)
 from pipelines import records, store, tracking
-from pipelines.config import ConfigError, PipelineConfig
+from pipelines.config import ConfigError, PipelineConfig, config_path
 from pipelines.data import load_tokenizer
 from pipelines.train import targets_path
 
@@ -55,7 +55,7 @@ class AllocateResult:
 
 def allocations_root(cfg: PipelineConfig) -> Path:
     root = cfg.allocate.output_root
-    return Path(root).expanduser().resolve() if root else cfg.home_dir() / "allocations"
+    return config_path(root).resolve() if root else cfg.home_dir() / "allocations"
 
 
 def open_inputs(cfg: PipelineConfig) -> store.Targets:

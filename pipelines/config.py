@@ -44,7 +44,7 @@ class ModelConfig:
         _require([(self.dtype in ("float32", "bfloat16", "float16"), "model.dtype must be float32, bfloat16 or float16")])
 
     def resolved_path(self) -> Path:
-        return smollm2_dir() if self.path == "smollm2" else Path(self.path).expanduser()
+        return smollm2_dir() if self.path == "smollm2" else config_path(self.path)
 
 
 class OptionalSettings:
@@ -97,6 +97,7 @@ class DataConfig(OptionalSettings):
                                               f"given a planted fact), got {self.recall_mix}")])
 
 
+WORKDIR_ENV = "KVPOP_WORKDIR"  # the directory a config's relative paths are read from (config_path)
 DEFAULT_BUDGET = Budget(sink=4, window=64, topk=32)  # the default run's B = 100 of S = 512 (CR 80%)
 HELDOUT_REFERENCES = ("streaming", "oracle", "dense")  # pipelines.heldout's references: heldout.<policy>.<metric>
 
@@ -509,7 +510,7 @@ class PipelineConfig:
 
     # -- derived locations ----------------------------------------------------------------------------------
     def home_dir(self) -> Path:
-        return Path(self.home).expanduser().resolve() if self.home else Path(kvpop_home()).resolve()
+        return config_path(self.home).resolve() if self.home else Path(kvpop_home()).resolve()
 
     def tracking_uri(self) -> str:
         """``tracking.uri``, else ``$MLFLOW_TRACKING_URI`` (a cluster's head sets it: infra/), else the local sqlite."""
@@ -656,7 +657,17 @@ def fingerprint(*parts: Any, length: int = 16) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:length]
 
 
+def config_path(value: str | os.PathLike) -> Path:
+    """A path a config names (a corpus, a model or scorer folder, an output root, the home), ``~`` expanded. A
+    relative one is relative to the directory the command ran in: ``$KVPOP_WORKDIR``, which the driver hands to every
+    Ray worker (:func:`env_home`) because Ray Train and Tune run their workers in folders of their own, else the
+    current directory. Configs keep the path as written, so that their hashes do not depend on where a clone is."""
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else Path(os.environ.get(WORKDIR_ENV) or os.getcwd()) / path
+
+
 def env_home(cfg: PipelineConfig) -> dict[str, str]:
-    """Environment for Ray workers so that they resolve the same home as the driver."""
-    return {"KVPOP_HOME": str(cfg.home_dir()), **OFFLINE_ENV, "RAY_USAGE_STATS_ENABLED": "0",
+    """Environment for Ray workers so that they resolve the same home, and the same relative paths, as the driver."""
+    return {"KVPOP_HOME": str(cfg.home_dir()), WORKDIR_ENV: os.environ.get(WORKDIR_ENV) or os.getcwd(),
+            **OFFLINE_ENV, "RAY_USAGE_STATS_ENABLED": "0",
             **({"PYTHONPATH": str(REPO_ROOT)} if "PYTHONPATH" not in os.environ else {})}

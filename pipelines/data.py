@@ -66,7 +66,7 @@ from transformers import AutoConfig, AutoTokenizer
 from kvpop.files import atomic_write_bytes, atomic_write_text
 from kvpop.local_layers import layer_windows
 from kvpop.pretrained import ModelConfigError, PretrainedMissingError, read_model_config
-from pipelines.config import ConfigError, PipelineConfig, corpus_name, fingerprint
+from pipelines.config import ConfigError, PipelineConfig, config_path, corpus_name, fingerprint
 from pipelines.identity import file_digest, folder_digest, tokenizer_digest
 from pipelines.models import missing_message
 from pipelines.planted import Planter
@@ -85,7 +85,7 @@ def is_local_source(source: str) -> bool:
     """A path (existing, or spelled like one) rather than a hub dataset name."""
     if source in BUILTIN_SOURCES:
         return False
-    path = Path(source).expanduser()
+    path = config_path(source)
     return path.exists() or source.startswith(("/", ".", "~")) or source.endswith(LOCAL_SUFFIXES)
 
 
@@ -98,7 +98,7 @@ def source_identity(cfg: PipelineConfig) -> dict:
     if source == "stdlib":
         return {"kind": "stdlib", "python": sys.version.split()[0], "implementation": sys.implementation.name}
     if is_local_source(source):
-        path = Path(source).expanduser().resolve()
+        path = config_path(source).resolve()
         if not path.exists():
             raise ConfigError(f"data.source {source!r} does not exist: give a local dataset folder, a .jsonl/.parquet "
                               f"file, 'champ', or a hub dataset name")
@@ -215,7 +215,7 @@ def load_documents(cfg: PipelineConfig) -> list[tuple[str, str]]:
     if source == "stdlib":
         return stdlib_documents()
     if is_local_source(source):
-        path = Path(source).expanduser().resolve()
+        path = config_path(source).resolve()
         if not path.exists():
             raise ConfigError(f"data.source {source!r} does not exist")
         table = _load_local(path, cfg)
@@ -345,7 +345,7 @@ def check_inputs(cfg: PipelineConfig) -> None:
     check_heldout_sources(cfg)
     for key, source in (("data.source", cfg.data.source), ("data.mix_source", cfg.data.mix_source)):
         if source is not None and source not in BUILTIN_SOURCES and is_local_source(source) \
-                and not Path(source).expanduser().exists():
+                and not config_path(source).exists():
             raise ConfigError(f"{key} {source!r} does not exist")
 
 
@@ -356,7 +356,7 @@ def check_heldout_sources(cfg: PipelineConfig) -> None:
         if source == cfg.data.source or corpus_name(source) == corpus_name(cfg.data.source):
             raise ConfigError(f"eval.heldout_sources: {source!r} is named {corpus_name(source)!r}, as data.source "
                               f"{cfg.data.source!r} is: the main corpus is evaluated already")
-        if source not in BUILTIN_SOURCES and is_local_source(source) and not Path(source).expanduser().exists():
+        if source not in BUILTIN_SOURCES and is_local_source(source) and not config_path(source).exists():
             raise ConfigError(f"eval.heldout_sources {source!r} does not exist")
 
 

@@ -30,7 +30,7 @@ from kvpop.pretrained import load_pretrained
 from kvpop.retrofit import runtime_of
 from pipelines import recall
 from pipelines import problems as long_prompts
-from pipelines.config import ConfigError, PipelineConfig, corpus_name
+from pipelines.config import ConfigError, PipelineConfig, config_path, corpus_name
 from pipelines.data import heldout_source_config, load_sequences
 from pipelines.identity import base_folder
 
@@ -234,7 +234,7 @@ def load_baselines(cfg: PipelineConfig, device) -> dict:
 
 
 def baseline_path(name: str, folder: str) -> Path:
-    path = Path(folder).expanduser().resolve()
+    path = config_path(folder).resolve()
     if not (path / "kvpop.json").is_file():
         raise ConfigError(f"eval.baselines.{name}: {path} is not a folder written by kvpop.save_retrofitted (the train "
                           f"stage's final_model of a train.policy=streaming / dms run)")

@@ -63,7 +63,7 @@ from kvpop.retrofit import CONFIG_FILE, SCORERS_FILE, rewindow_scorer_folder, sa
 from pipelines import allocate as allocation_stage
 from pipelines import eval_parts, records, report, stats, tracking
 from pipelines import problems as long_prompts
-from pipelines.config import ConfigError, PipelineConfig, fingerprint
+from pipelines.config import ConfigError, PipelineConfig, config_path, fingerprint
 from pipelines.data import check_heldout_sources, load_tokenizer
 from pipelines.identity import base_folder, file_digest, folder_digest
 from pipelines.train import model_dir
@@ -84,7 +84,7 @@ class EvalResult:
 def trained_model_path(cfg: PipelineConfig) -> Path:
     """``eval.checkpoint``, or the train stage's final model for this config."""
     if cfg.eval.checkpoint:
-        path = Path(cfg.eval.checkpoint).expanduser().resolve()
+        path = config_path(cfg.eval.checkpoint).resolve()
     else:  # the train stage's committed record: no tokenizer, no weight hashing
         path = model_dir(cfg)
     if not (path / "kvpop.json").is_file():

@@ -17,7 +17,7 @@ from kvpop.files import atomic_write_text, exclusive_lock, sha256_file
 from kvpop.files import tensors_digest as _tensors_digest
 from kvpop.files import weights_digest as _weights_digest
 from kvpop.retrofit import SCORERS_FILE, saved_base_folder
-from pipelines.config import ConfigError, PipelineConfig
+from pipelines.config import ConfigError, PipelineConfig, config_path
 
 DIGEST_CACHE = "sha256.json"
 
@@ -107,7 +107,7 @@ def init_identity(cfg: PipelineConfig) -> list:
     there (:func:`pipelines.train.check_init_from` checks the rest before training)."""
     if cfg.train.init_from is None:
         return []
-    weights = Path(cfg.train.init_from).expanduser() / SCORERS_FILE
+    weights = config_path(cfg.train.init_from) / SCORERS_FILE
     if not weights.is_file():
         raise ConfigError(f"train.init_from {cfg.train.init_from}: no {SCORERS_FILE} there: give a saved scorer "
                           f"folder (a train stage's final_model)")

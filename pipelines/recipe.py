@@ -35,7 +35,7 @@ import yaml
 
 from pipelines import allocate, evaluate, precompute, records, sweep, train
 from pipelines.cluster import check_address
-from pipelines.config import ConfigError, PipelineConfig, config_from_dict
+from pipelines.config import ConfigError, PipelineConfig, config_from_dict, config_path
 from pipelines.data import check_inputs
 from pipelines.identity import teacher_identity
 from pipelines.schema import parse_override, set_path
@@ -159,7 +159,7 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 def missing_inputs(recipe: Recipe) -> list[str]:
     """One line per declared input that is not there, naming the command that makes it."""
     return [f"input {path} is missing: make it with `{command}`" for path, command in recipe.inputs.items()
-            if not Path(path).expanduser().exists()]
+            if not config_path(path).exists()]
 
 
 def check(recipe: Recipe) -> None:

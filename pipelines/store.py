@@ -53,7 +53,7 @@ from transformers import AutoConfig
 
 from kvpop.files import LockedError, atomic_write_bytes, atomic_write_text, exclusive_lock, sha256_file
 from kvpop.local_layers import UnsupportedAttention, evicting_layers
-from pipelines.config import ConfigError, PipelineConfig, PrecomputeConfig, fingerprint
+from pipelines.config import ConfigError, PipelineConfig, PrecomputeConfig, config_path, fingerprint
 from pipelines.data import data_fingerprint
 from pipelines.identity import teacher_identity
 
@@ -115,7 +115,7 @@ def training_identity(cfg: PipelineConfig, tokenizer=None) -> dict:
 
 def targets_root(cfg: PipelineConfig) -> Path:
     root = cfg.precompute.output_root
-    return Path(root).expanduser().resolve() if root else cfg.home_dir() / "targets"
+    return config_path(root).resolve() if root else cfg.home_dir() / "targets"
 
 
 def key_of(identity: dict) -> str:

@@ -51,7 +51,7 @@ from kvpop.files import atomic_write_text
 from kvpop.objective import METRICS as OBJECTIVE_METRICS
 from pipelines import allocate, records, store, tracking, train
 from pipelines.cluster import ensure_ray, require_resources
-from pipelines.config import ConfigError, PipelineConfig, apply_overrides, load_config
+from pipelines.config import ConfigError, PipelineConfig, apply_overrides, config_path, load_config
 from pipelines.data import load_tokenizer
 
 BEST_CONFIG = "best.yaml"
@@ -62,7 +62,7 @@ DRIVER_CPUS = 0.01  # a trial's Tune actor only drives its TorchTrainer
 # ------------------------------------------------------------------------------------------------ the search space
 def sweep_root(cfg: PipelineConfig) -> Path:
     root = cfg.sweep.output_root
-    return Path(root).expanduser().resolve() if root else cfg.home_dir() / "sweeps"
+    return config_path(root).resolve() if root else cfg.home_dir() / "sweeps"
 
 
 def variants(cfg: PipelineConfig) -> list[dict[str, Any]]:

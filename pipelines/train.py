@@ -59,7 +59,7 @@ from kvpop.objective import DMSObjective, Objective, StreamingObjective
 from kvpop.retrofit import check_scorer_folder
 from pipelines import records, store, tracking
 from pipelines.cluster import ensure_ray, require_resources
-from pipelines.config import ConfigError, PipelineConfig, env_home, fingerprint
+from pipelines.config import ConfigError, PipelineConfig, config_path, env_home, fingerprint
 from pipelines.curves import plot_learning_curve
 from pipelines.data import load_sequences, load_tokenizer, sequences_dir
 from pipelines.heldout import check_heldout
@@ -76,7 +76,7 @@ READ_ONCE_BYTES = 256 << 20  # targets up to this size on disk are read once per
 # ------------------------------------------------------------------------------------------------ names and places
 def runs_root(cfg: PipelineConfig) -> Path:
     root = cfg.train.output_root
-    return Path(root).expanduser().resolve() if root else cfg.home_dir() / "runs"
+    return config_path(root).resolve() if root else cfg.home_dir() / "runs"
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def train_allocation(cfg: PipelineConfig, identity: dict) -> Allocation | None:
                               "first (python -m jobs.allocate, same config)")
         folder = Path(record.payload["path"]).parent
     else:
-        folder = Path(name).expanduser().resolve()
+        folder = config_path(name).resolve()
         folder = folder.parent if folder.name == ALLOCATION_FILE else folder
     try:
         allocation = load_allocation(folder, num_layers=identity["num_layers"], num_kv_heads=identity["num_kv_heads"],
@@ -141,7 +141,7 @@ def train_allocation(cfg: PipelineConfig, identity: dict) -> Allocation | None:
 def targets_path(cfg: PipelineConfig) -> Path:
     """``train.targets``, else the directory the precompute stage recorded for this config."""
     if cfg.train.targets:
-        return Path(cfg.train.targets).expanduser().resolve()
+        return config_path(cfg.train.targets).resolve()
     record = records.for_config(cfg, "precompute")
     if record is None:
         raise store.TargetsError(f"no precomputed targets for config {cfg.name!r} (no precompute record under "
@@ -186,7 +186,7 @@ def check_init_from(cfg: PipelineConfig, base_sha256: str) -> str | None:
     if t.init_from is None:
         return None
     try:
-        return check_scorer_folder(Path(t.init_from).expanduser(), scorer=t.scorer,
+        return check_scorer_folder(config_path(t.init_from), scorer=t.scorer,
                                    scorer_options=dict(t.scorer_options), window=cfg.budget.window,
                                    base_sha256=base_sha256,
                                    base_tensors_sha256=tensors_digest(cfg.model.resolved_path(), cfg.home_dir()),
@@ -263,7 +263,7 @@ def make_spec(cfg: PipelineConfig, targets: TrainInputs, name: str, storage: Pat
         bf16=t.resolved_precision == "bf16", threads=max(1, int(t.cpus_per_worker)),
         checkpoint_every=t.checkpoint_every, log_every=t.log_every, fail_at_step=t.fail_at_step,
         tracking_uri=cfg.tracking_uri(), mlflow_run_id=mlflow_run_id, report_every_step=report_every_step,
-        save_final=save_final, init_from=str(Path(t.init_from).expanduser().resolve()) if t.init_from else "",
+        save_final=save_final, init_from=str(config_path(t.init_from).resolve()) if t.init_from else "",
         online=online, target_options=cfg.precompute.target_options() if online else {},
         top_k=cfg.precompute.top_k if online else 0, online_features=t.online_features,
         warmup_steps=t.warmup_steps, schedule=t.schedule, eval_every=t.eval_every, eval_config=cfg.to_dict() if t.eval_every else {})

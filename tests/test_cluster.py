@@ -2,6 +2,7 @@
 one ConfigError, and what the workers' runtime env carries (the home and the offline variables)."""
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -81,8 +82,9 @@ def test_malformed_addresses_say_what_to_give(no_ray_address, address, message):
 
 
 def test_workers_get_the_home_and_the_offline_variables(no_ray_address, monkeypatch, tmp_path):
-    """``ensure_ray``'s runtime env (a patched ``ray.init`` records it): the driver's home and every offline variable,
-    but none that a submitted job's runtime env already sets (Ray refuses to merge a repeated key)."""
+    """``ensure_ray``'s runtime env (a patched ``ray.init`` records it): the driver's home and directory and every
+    offline variable, but none that a submitted job's runtime env already sets (Ray refuses to merge a repeated
+    key)."""
     import ray
 
     calls = []
@@ -93,6 +95,7 @@ def test_workers_get_the_home_and_the_offline_variables(no_ray_address, monkeypa
     cluster.ensure_ray(_cfg(home=str(tmp_path)))
     env = calls[0]["runtime_env"]["env_vars"]
     assert calls[0]["address"] == "local" and env["KVPOP_HOME"] == str(tmp_path)
+    assert env["KVPOP_WORKDIR"] == os.getcwd()  # where a config's relative paths are read from
     assert OFFLINE_ENV.items() <= env.items()
 
     monkeypatch.setenv(cluster.JOB_CONFIG_ENV, '{"runtime_env": {"env_vars": {"HF_DATASETS_OFFLINE": "1"}}}')

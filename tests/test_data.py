@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -168,6 +169,33 @@ def test_the_mix_is_keyed_by_its_content_and_size(tmp_path, corpus, mix_corpus, 
     write_docs(moved, 30, seed=12)
     assert data.data_fingerprint(_cfg(tmp_path, corpus[0], f"data.mix_source={moved}", "data.mix_sequences=3"),
                                  tokenizer) != fp
+
+
+def test_relative_sources_are_read_from_the_commands_directory_in_every_process(tmp_path, corpus, mix_corpus,
+                                                                                tokenizer, monkeypatch):
+    """A relative corpus path is relative to where the command ran: ``$KVPOP_WORKDIR`` (what the driver hands its
+    Ray workers: Ray Train runs them in folders of its own), else the cwd; the config keeps the path as written, and
+    the cache is the one of the same files spelled absolute."""
+    from pipelines.config import WORKDIR_ENV, config_path, env_home
+
+    monkeypatch.delenv(WORKDIR_ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    cfg = _cfg(tmp_path, corpus[0].name, f"data.mix_source={mix_corpus.name}", "data.mix_sequences=3")
+    assert (cfg.data.source, cfg.data.mix_source) == (corpus[0].name, mix_corpus.name)
+    assert env_home(cfg)[WORKDIR_ENV] == str(tmp_path)  # what the workers are told
+    absolute = _cfg(tmp_path, corpus[0], f"data.mix_source={mix_corpus}", "data.mix_sequences=3")
+    fp = data.data_fingerprint(absolute, tokenizer)
+    assert data.data_fingerprint(cfg, tokenizer) == fp
+    # a worker that runs in another directory: lost without the driver's, found with it
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with pytest.raises(ConfigError, match="does not exist"):
+        data.data_fingerprint(cfg, tokenizer)
+    monkeypatch.setenv(WORKDIR_ENV, str(tmp_path))
+    assert data.data_fingerprint(cfg, tokenizer) == fp
+    assert data.load_sequences(cfg, "train", tokenizer) == data.load_sequences(absolute, "train", tokenizer)
+    assert config_path("a/b") == tmp_path / "a" / "b" and config_path(mix_corpus) == mix_corpus
+    assert config_path("~/a") == Path.home() / "a"
 
 
 def test_an_unset_mix_keeps_every_key_of_an_existing_config(tmp_path, corpus, tokenizer):

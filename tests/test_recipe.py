@@ -78,14 +78,15 @@ def _two_phases(mix: Path) -> list:
                      "data.mix_sequences": 2}}]
 
 
-def _pipeline(recipe: Path, home: Path, ray_address: str, *sets: str,
-              crash_at: str = "") -> subprocess.CompletedProcess:
-    """``python -m jobs.pipeline --config <recipe>`` as a user runs it, joined to the session's cluster."""
+def _pipeline(recipe: Path, home: Path, ray_address: str, *sets: str, crash_at: str = "",
+              cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """``python -m jobs.pipeline --config <recipe>`` as a user runs it (in ``cwd``), joined to the session's
+    cluster."""
     env = {**os.environ, "PYTHONPATH": str(REPO), records.CRASH_ENV: crash_at, "RAY_ADDRESS": ray_address}
     argv = [sys.executable, "-m", "jobs.pipeline", "--config", str(recipe), "--set", f"home={home}"]
     for item in sets:
         argv += ["--set", item]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=cwd)
 
 
 def _train_runs(home: Path) -> list:
@@ -164,25 +165,29 @@ def test_phase_overrides_and_names(tiny_setup, tmp_path):
 # ------------------------------------------------------------------------------------------------ end to end
 @pytest.mark.slow
 @pytest.mark.ray
-def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(tiny_setup, tmp_path, ray_cluster):
+def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(tiny_setup, tmp_path, ray_cluster,
+                                                                              monkeypatch):
     from jobs.corpus import cli as corpus
     from jobs.state import cli as state
 
-    mix = tmp_path / "data" / "kernel.jsonl"
+    # the corpora named as the recipe file names them, relative to where the command runs: Ray Train runs its
+    # workers (the learning curve's held-out corpora) in folders of its own
+    mix, unseen = Path("data/kernel.jsonl"), Path("data/unseen_docs.jsonl")
     sources = _kernel_sources(tmp_path / "src")
-    unseen = _unseen_corpus(tmp_path / "data" / "unseen_docs.jsonl")
+    _unseen_corpus(tmp_path / unseen)
     recipe = _write_recipe(tmp_path / "recipe.yaml", tiny_setup, _two_phases(mix),
                            {str(mix): f"python -m jobs.corpus --sources {sources} --out {mix}"}, *RECIPE_TRAINING,
-                           f"eval.heldout_sources=[{unseen}]")
-    assert corpus(["--sources", str(sources), "--out", str(mix)]) == 0
+                           f"eval.heldout_sources=[{unseen}]", "train.eval_every=2", "train.eval_heldout_sources=true")
+    assert corpus(["--sources", str(sources), "--out", str(tmp_path / mix)]) == 0
     home = tmp_path / "machine1" / "home"
 
     # 1. killed right after phase one committed
-    killed = _pipeline(recipe, home, ray_cluster, crash_at="recipe.phase_done.first")
+    killed = _pipeline(recipe, home, ray_cluster, crash_at="recipe.phase_done.first", cwd=tmp_path)
     assert killed.returncode == records.CRASH_EXIT_CODE, killed.stderr[-3000:]
     assert [r.info.status for r in _train_runs(home)] == ["FINISHED"]
     # 2. the same command: phase one reused through its record, phase two stopped mid-training (step 2 checkpointed)
-    partial = _pipeline(recipe, home, ray_cluster, "phases.second.train.fail_at_step=3", "train.max_failures=0")
+    partial = _pipeline(recipe, home, ray_cluster, "phases.second.train.fail_at_step=3", "train.max_failures=0",
+                        cwd=tmp_path)
     assert partial.returncode == 1, partial.stderr[-3000:]
     assert "phase 1/2 first: trained already (2 steps" in partial.stdout, partial.stdout[-3000:]
     second_run = {r.info.run_name: r for r in _train_runs(home)}
@@ -194,12 +199,13 @@ def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(ti
     home = tmp_path / "machine2" / "kvpop"
     assert state(["import", str(tmp_path / "state.tgz"), "--home", str(home)]) == 0
     assert not (home / "targets").exists()  # online targets: none stored, none carried
-    done = _pipeline(recipe, home, ray_cluster)
+    done = _pipeline(recipe, home, ray_cluster, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "phase 1/2 first: trained already" in done.stdout
     runs = _train_runs(home)
     assert sorted(r.info.run_name for r in runs) == sorted(second_run) and len(runs) == 2
     assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]  # one FINISHED training run per phase
+    monkeypatch.chdir(tmp_path)  # where the recipe's relative corpora are
     loaded = load_recipe(recipe, [f"home={home}"])
     first_cfg = loaded.config(loaded.phases[0])
     first = records.for_config(first_cfg, "train")
@@ -213,6 +219,9 @@ def test_the_shrunk_recipe_end_to_end_with_a_kill_and_a_move_between_machines(ti
     history = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_metric_history(
         second.payload["mlflow_run_id"], "loss")
     assert sorted({m.step for m in history}) == [1, 2, 3, 4]
+    # the learning curve read the unseen corpus in the training workers too
+    logged = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(second.payload["mlflow_run_id"])
+    assert any(key.startswith("heldout.unseen_docs.") for key in logged.data.metrics), sorted(logged.data.metrics)
     meta = json.loads((Path(second.payload["model_dir"]) / "kvpop.json").read_text())
     assert "path" not in meta["base"] and str(tmp_path) not in json.dumps(meta)
     # evaluated at the trained window (CR 0.5625: B = 28) and, read at window 4, at CR 0.84375 (B = 10 < 4 + 8)
