@@ -344,7 +344,11 @@ class HeldoutRunner:
 
     def __init__(self, model, spec: TrainSpec, rank: int, client, device):
         self.model, self.spec, self.rank, self.client, self.device = model, spec, rank, client, device
-        self.evaluator = self.plain = None
+        self.plain = None
+        # the held-out items are built now: a corpus that cannot be read fails the run before its first step, not
+        # eval_every steps into a resumed run
+        self.evaluator = (HeldoutEvaluator(config_from_dict(spec.eval_config)) if spec.eval_every and rank == 0
+                          else None)
 
     def __call__(self, step: int) -> None:
         spec = self.spec
@@ -359,8 +363,6 @@ class HeldoutRunner:
                 self.plain.load_state_dict(full, strict=False)
             model = self.plain
         if self.rank == 0:
-            if self.evaluator is None:
-                self.evaluator = HeldoutEvaluator(config_from_dict(spec.eval_config))
             was_training = model.training
             model.eval()
             try:
