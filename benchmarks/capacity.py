@@ -7,7 +7,10 @@ figure.
   batch: 32 rows at 8k, 8 at 32k, 2 at 128k) at every context, dense beside KVpop in the same run and their ratio
   (``× dense``). KVpop's prompt goes through :func:`kvpop.prefill` in chunks of ``prefill_chunk`` columns (the fused
   path: FlexAttention over the B slots + the chunk, ``Runtime.compile_prefill`` compiling the chunk bookkeeping);
-  at ``sweep_context`` with one row every chunk size of ``prefill_chunks`` (1k / 2k / 4k / 8k) is timed too. Each
+  at ``sweep_context`` with one row every chunk size of ``prefill_chunks`` (1k / 2k / 4k / 8k) is timed too. With
+  ``graph_prefill`` (the GPU presets; ``--no-graph-prefill``) each KVpop row is timed a second time with its full
+  chunks replayed as one CUDA graph (``kvpop-B<B>-graphed``: :func:`kvpop.prefill` ``graphed=True``, the graph
+  captured inside every timed prefill, as a user's single prefill pays it). Each
   configuration is warmed up first (compiling its shapes; ``warmup_s``) on a prompt of two chunks, then timed.
   ``--profile FILE`` writes a torch.profiler table of the top kernels of one KVpop prefill and of dense's, so a
   missed target names the kernel that holds it back.
@@ -66,7 +69,8 @@ SHAPES = {  # (architecture, config): the published models' shapes, random weigh
 
 GPU = dict(models=["qwen3-0.6b", "smollm2-135m"], contexts=[8192, 32768, 131072], budgets=[2048, 1024], sink=4,
            window=256, dtype="bfloat16", prefill_chunk=4096, prefill_chunks=[1024, 2048, 4096, 8192],
-           sweep_context=32768, prefill_batch_tokens=262144, compile_prefill=True, margin_gib=4.0, memory_gib=None,
+           sweep_context=32768, prefill_batch_tokens=262144, compile_prefill=True, graph_prefill=True,
+           margin_gib=4.0, memory_gib=None,
            max_batch=1 << 16, prefill_share=0.6)
 PRESETS = {
     # every figure: prefill, then decoding at every context, the largest batch and fractions of it
@@ -79,11 +83,12 @@ PRESETS = {
                   compile_decode="both", time_limit=420.0),
     "cpu-tiny": dict(models=["tiny-llama", "tiny-qwen3"], contexts=[128, 256], budgets=[64, 40], sink=2, window=16,
                      dtype="float32", prefill_chunk=32, prefill_chunks=[16, 32, 64], sweep_context=256,
-                     prefill_batch_tokens=512, compile_prefill=False, decode_contexts=[256], steps=2,
-                     fractions=[1.0, 0.5], compile_decode="off", margin_gib=0.0, memory_gib=0.004, max_batch=8,
+                     prefill_batch_tokens=512, compile_prefill=False, graph_prefill=False, decode_contexts=[256],
+                     steps=2, fractions=[1.0, 0.5], compile_decode="off", margin_gib=0.0, memory_gib=0.004, max_batch=8,
                      time_limit=600.0, prefill_share=0.6),
 }
 DENSE_ATTENTION = "kvpop_capacity_dense"
+GRAPHED = "kvpop-graphed"  # prefill rows whose full chunks replay a CUDA graph (kvpop.prefill(graphed=True))
 
 
 def _sync(device):
@@ -382,7 +387,7 @@ def run_prefill(model, policy: str, ids, chunk: int):
     import kvpop
 
     if policy != "dense":
-        return kvpop.prefill(model, ids, chunk=chunk)
+        return kvpop.prefill(model, ids, chunk=chunk, graphed=policy == GRAPHED)
     rows, context = ids.shape
     cache = dense_cache(model, rows, context)
     model(input_ids=ids, position_ids=torch.arange(context, device=ids.device).expand(rows, context), use_cache=True,
@@ -397,12 +402,15 @@ def prefill_rows(context: int, args) -> list[int]:
 
 def prefill_plan(args, policies) -> list[tuple]:
     """``(context, rows, policy, budget, chunk)``, what issue 44's targets read first (a run that hits its time limit
-    loses the rest): one row at every context, dense then every budget at ``prefill_chunk``; then the batches of
+    loses the rest): one row at every context, dense then every budget at ``prefill_chunk`` (with ``graph_prefill``
+    each budget also with its full chunks replayed as a CUDA graph, policy ``kvpop-graphed``); then the batches of
     rows, likewise; then the other chunks of ``prefill_chunks`` at ``sweep_context`` with one row."""
+    kvpops = ["kvpop", GRAPHED] if args.get("graph_prefill") else ["kvpop"]
+
     def group(context, rows, chunks, with_dense=True):
         dense = [(context, rows, "dense", None, None)] if with_dense and "dense" in policies else []
-        return dense + [(context, rows, "kvpop", budget, chunk) for budget in args["budgets"] for chunk in chunks
-                        if "kvpop" in policies]
+        return dense + [(context, rows, policy, budget, chunk) for budget in args["budgets"] for chunk in chunks
+                        for policy in kvpops if "kvpop" in policies]
 
     plan = [row for context in args["contexts"] for row in group(context, 1, [args["prefill_chunk"]])]
     plan += [row for context in args["contexts"] for rows in prefill_rows(context, args)[1:]
@@ -437,7 +445,7 @@ def prefill_table(model, name, args, policies, device, result, out, deadline) ->
     timed; KVpop's rows carry their tokens/s as a multiple of dense's at the same context and rows (``x_dense``)."""
     dense_speed = {}
     for context, rows, policy, budget, chunk in prefill_plan(args, policies):
-        label = "dense" if policy == "dense" else f"kvpop-B{budget}"
+        label = "dense" if policy == "dense" else f"kvpop-B{budget}" + ("-graphed" if policy == GRAPHED else "")
         head = {"model": name, "policy": label, "context": context, "rows": rows, "chunk": chunk,
                 "compiled": policy != "dense" and device.type == "cuda" and args["compile_prefill"]}
         if time.perf_counter() > deadline:
@@ -555,6 +563,8 @@ def main(argv=None):
     parser.add_argument("--prefill-batch-tokens", type=int, help="tokens per prefill batch (rows = this ÷ context)")
     parser.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false", default=None,
                         help="the fused prefill's bookkeeping eager (Runtime.compile_prefill off)")
+    parser.add_argument("--no-graph-prefill", dest="graph_prefill", action="store_false", default=None,
+                        help="no kvpop-B<B>-graphed prefill rows (full chunks replayed as a CUDA graph)")
     parser.add_argument("--compile-decode", choices=["off", "on", "both"],
                         help="torch.compile each layer's KVpop decoding step; both: the largest batch both ways")
     parser.add_argument("--compile", dest="compile_decode", action="store_const", const="on",
@@ -575,7 +585,8 @@ def main(argv=None):
         return None
     args = dict(PRESETS[ns.preset])
     for key in ("models", "contexts", "decode_contexts", "budgets", "steps", "fractions", "prefill_chunk",
-                "prefill_chunks", "sweep_context", "prefill_batch_tokens", "compile_prefill", "compile_decode",
+                "prefill_chunks", "sweep_context", "prefill_batch_tokens", "compile_prefill", "graph_prefill",
+                "compile_decode",
                 "margin_gib", "memory_gib", "max_batch", "time_limit"):
         if getattr(ns, key) is not None:
             args[key] = getattr(ns, key)

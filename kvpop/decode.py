@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kvpop.cache import CACHE_KWARG, KVpopCache
+from kvpop.cache import CACHE_KWARG, KVpopCache, KVpopLayer
 
 
 def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -28,7 +28,8 @@ def _forward(model, cache, input_ids, start: int, end: int, attention_mask=None,
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, chunk: int | None = None,
-            attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> KVpopCache:
+            attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+            graphed: bool = False) -> KVpopCache:
     """Bounded prefill (METHOD §5): the columns of ``input_ids`` the cache has not seen, at most ``chunk`` per call
     (default ``Runtime.prefill_chunk``), each compressed back into the ``B`` slots before the next; returns the
     cache. The cache's key/value memory peaks at every layer's ``B`` slots plus one layer's ``B + chunk``
@@ -38,15 +39,38 @@ def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, 
     Chunks are counted back from the last column (the first call takes the remainder), so that a left-padded row
     is cut where it would be cut alone. ``attention_mask`` / ``position_ids`` cover all of ``input_ids``' columns
     (left padding only); positions default to :func:`padded_positions` of the mask.
+
+    ``graphed``: where the chunks can replay (:func:`graphable`: CUDA, no padding mask, every layer a static
+    policy's fixed slots), the full chunks after the first replay one CUDA graph of the model's forward over a
+    chunk (:class:`GraphedDecoder` at the chunk's width: its fused path never waits on the host, and every chunk
+    has the same shapes) instead of launching each layer's kernels from Python; elsewhere the chunks run as
+    without it. The graph is captured for this prefill (one warm-up chunk, restored, and the capture itself).
     """
     cache = cache if cache is not None else KVpopCache(model)
     chunk = chunk if chunk is not None else model.kvpop_runtime.prefill_chunk
     keep = {"logits_to_keep": 1} if getattr(model, "_supports_logits_to_keep", lambda: False)() else {}
     bounds = chunk_bounds(cache.get_seq_length(), input_ids.shape[1], chunk)
     cache.prefill_chunk = chunk  # the size at which its chunks take the fused path (kvpop.cache)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        _forward(model, cache, input_ids, start, end, attention_mask, position_ids, **keep)
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    replay = graphed and len(spans) > 2 and graphable(cache, input_ids, attention_mask)
+    for index, (start, end) in enumerate(spans):
+        if not replay or index == 0:  # the first chunk (the remainder) also fills the cache's buffers
+            _forward(model, cache, input_ids, start, end, attention_mask, position_ids, **keep)
+            continue
+        if index == 1:
+            step = GraphedDecoder(model, cache, warmup=1, **keep)
+        positions = (torch.arange(start, end, device=input_ids.device).expand(len(input_ids), -1)
+                     if position_ids is None else position_ids[:, start:end])
+        step(input_ids[:, start:end], positions)
     return cache
+
+
+def graphable(cache: KVpopCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
+    """Whether :func:`prefill` can replay ``cache``'s chunks as one CUDA graph: CUDA inputs, no padding mask (its
+    check waits on the host), every layer a static policy's fixed slots (a dynamic policy's chunk, per-head budgets
+    and DMS run as they are)."""
+    return (input_ids.is_cuda and attention_mask is None
+            and all(type(layer) is KVpopLayer and not layer.policy.dynamic for layer in cache.layers))
 
 
 def chunk_bounds(done: int, size: int, chunk: int) -> list[int]:
@@ -113,17 +137,21 @@ def capture_graph(step, *, warmup: int = 2, restore=None):
 
 
 class GraphedDecoder:
-    """One decoding step of a retrofitted model, captured once and replayed as a CUDA graph.
+    """One call of a retrofitted model over a fixed number of columns — a decoding step, or a prefill chunk
+    (:func:`prefill`'s ``graphed``) — captured once and replayed as a CUDA graph.
 
-    The fixed cache has static shapes and updates its buffers in place, so the whole step — every layer's eviction,
-    scorer step and attention — replays without a Python launch per kernel. Each call is exactly one step: the
-    warm-up that capture needs runs on a snapshot of the cache, which is then restored. ``snapshot=False`` (serving
-    benchmarks at the memory limit, where a second copy of the cache does not fit) skips the snapshot: the
-    warm-up steps then stay in the cache as ``warmup`` extra tokens before the first call's.
+    The fixed cache has static shapes and updates its buffers in place, so the whole call — every layer's eviction,
+    scorer step and attention — replays without a Python launch per kernel. Each call is exactly one step (one
+    chunk): the warm-up that capture needs runs on a snapshot of the cache, which is then restored.
+    ``snapshot=False`` (serving benchmarks at the memory limit, where a second copy of the cache does not fit) skips
+    the snapshot: the warm-up calls then stay in the cache as ``warmup`` extra calls before the first one's.
+    ``logits_to_keep``: passed to the model (a prefill chunk needs its last column's logits only).
     """
 
-    def __init__(self, model, cache: KVpopCache, *, warmup: int = 2, snapshot: bool = True):
+    def __init__(self, model, cache: KVpopCache, *, warmup: int = 2, snapshot: bool = True,
+                 logits_to_keep: int | None = None):
         self.model, self.cache, self.warmup, self.snapshot = model, cache, warmup, snapshot
+        self.keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
         self.graph = None
 
     def _tensors(self):
@@ -137,11 +165,13 @@ class GraphedDecoder:
             yield from (layer.scorer_state or {}).values()
 
     def _forward(self):
-        return self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, **{CACHE_KWARG: self.cache}).logits
+        return self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, **{CACHE_KWARG: self.cache},
+                          **self.keep).logits
 
     def _capture(self):
         saved = [t.clone() for t in self._tensors()] if self.snapshot else None
-        columns = [layer.columns + (0 if self.snapshot else self.warmup) for layer in self.cache.layers]
+        width = self.ids.shape[1]
+        columns = [layer.columns + (0 if self.snapshot else self.warmup * width) for layer in self.cache.layers]
         full = [layer.is_initialized and layer._filled() for layer in self.cache.layers]  # as the cache is now
 
         def restore():
@@ -156,13 +186,17 @@ class GraphedDecoder:
 
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """``input_ids``/``position_ids`` ``[B, 1]`` → logits ``[B, 1, V]`` (a fresh tensor)."""
+        """``input_ids``/``position_ids`` ``[B, W]`` (``W`` the same at every call) → logits ``[B, W, V]``
+        (``[B, 1, V]`` with ``logits_to_keep=1``; a fresh tensor)."""
         if self.graph is None:
             self.ids, self.pos = input_ids.clone(), position_ids.clone()
             self._capture()
+        elif input_ids.shape != self.ids.shape:
+            raise ValueError(f"a captured call replays inputs of shape {tuple(self.ids.shape)} only, got "
+                             f"{tuple(input_ids.shape)}")
         self.ids.copy_(input_ids)
         self.pos.copy_(position_ids)
         self.graph.replay()
         for layer in self.cache.layers:
-            layer.columns += 1
+            layer.columns += self.ids.shape[1]
         return self.logits.clone()

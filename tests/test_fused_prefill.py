@@ -243,6 +243,54 @@ def test_compile_prefill_falls_back_to_eager_on_cpu(monkeypatch):
     assert cache.prefill_chunk == 8
 
 
+def _cache_state(cache):
+    """Every tensor a layer holds (None where a policy keeps none), the scorer's state by name."""
+    return [(layer.keys, layer.values, layer.slot_pos, layer.slot_prio, layer.slot_anchor, layer.slot_score,
+             layer.seen, *(t for _, t in sorted((layer.scorer_state or {}).items()))) for layer in cache.layers]
+
+
+def test_graphed_prefill_runs_as_the_eager_one_where_it_cannot_replay():
+    """``prefill(graphed=True)`` replays chunks only on CUDA, without a padding mask, with a static policy's fixed
+    slots (:func:`kvpop.decode.graphable`); elsewhere (here: CPU; a dynamic policy) it is the eager prefill."""
+    from kvpop.decode import graphable
+
+    for policy in ("kvpop:mlstm", "tova"):
+        model = retrofitted(policy)
+        ids = torch.randint(1, 97, (2, SIZE))
+        eager = kvpop.prefill(model, ids, chunk=8)
+        graphed = kvpop.prefill(model, ids, chunk=8, graphed=True)
+        assert not graphable(graphed, ids, None)
+        assert graphed.get_seq_length() == eager.get_seq_length() == SIZE
+        for want, got in zip(_cache_state(eager), _cache_state(graphed)):
+            assert all(w is g is None or torch.equal(w, g) for w, g in zip(want, got))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("policy", ["kvpop:mlstm", "kvpop+anchors:mlstm", "oracle+ties"])
+def test_graphed_prefill_on_cuda_equals_the_fused_prefill(policy):
+    """The full chunks after the first replayed as one captured CUDA graph (compiled bookkeeping inside) leave the
+    cache of launching every chunk from Python: the same slots, priorities, scorer state and next-token logits."""
+    from kvpop.cache import CACHE_KWARG as KWARG
+    from kvpop.decode import graphable
+
+    model = retrofitted(policy).cuda()
+    model.kvpop_runtime.compile_prefill = True
+    ids = torch.randint(1, 97, (2, SIZE), device="cuda")
+    targets = oracle_targets(model, 2, ties=policy.endswith("ties")).cuda()
+    with kvpop.oracle_priorities(model, targets):
+        eager = kvpop.prefill(model, ids, chunk=8)
+        graphed = kvpop.prefill(model, ids, chunk=8, graphed=True)
+        assert graphable(graphed, ids, None) and graphed.get_seq_length() == eager.get_seq_length() == SIZE
+        for want, got in zip(_cache_state(eager), _cache_state(graphed)):
+            for w, g in zip(want, got):
+                assert (w is g is None) or (w.shape == g.shape and (w.float() - g.float()).abs().max() <= 1e-5)
+        token, position = ids[:, :1], torch.full((2, 1), SIZE, device="cuda")
+        with torch.no_grad():
+            logits = [model(input_ids=token, position_ids=position, use_cache=True, **{KWARG: cache}).logits
+                      for cache in (eager, graphed)]
+    assert (logits[0] - logits[1]).abs().max() <= 1e-4
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused, compiled prefill runs on CUDA")
 @pytest.mark.parametrize("policy", ["kvpop:mlstm", "kvpop+anchors:mlstm", "oracle+ties"])
 def test_fused_compiled_prefill_on_cuda_equals_the_masked_forward(policy):
