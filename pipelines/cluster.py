@@ -13,9 +13,10 @@
   when the workers hold every CPU and Data's tasks never start.
 * A driver that already called ``ray.init`` (a test session, a job script) is left as it is.
 
-Workers get the driver's home and :data:`pipelines.offline.OFFLINE_ENV` in their runtime env. Inside a submitted
-job, environment variables the job's runtime env already sets are not passed again: Ray refuses to merge a driver's
-runtime env that repeats a key of the job's (``Failed to merge the Job's runtime env``).
+Workers get the driver's home, its directory (a config's relative paths: :func:`pipelines.config.config_path`) and
+:data:`pipelines.offline.OFFLINE_ENV` in their runtime env. Inside a submitted job, environment variables the job's
+runtime env already sets are not passed again: Ray refuses to merge a driver's runtime env that repeats a key of the
+job's (``Failed to merge the Job's runtime env``).
 
 A cluster this driver starts listens on the loopback interface only (:func:`_start_local`): its node IP is
 127.0.0.1, so that no server of it — Prometheus ``/metrics`` of the autoscaler monitor, the dashboard and its agent

@@ -663,11 +663,16 @@ def config_path(value: str | os.PathLike) -> Path:
     Ray worker (:func:`env_home`) because Ray Train and Tune run their workers in folders of their own, else the
     current directory. Configs keep the path as written, so that their hashes do not depend on where a clone is."""
     path = Path(value).expanduser()
-    return path if path.is_absolute() else Path(os.environ.get(WORKDIR_ENV) or os.getcwd()) / path
+    return path if path.is_absolute() else Path(workdir()) / path
+
+
+def workdir() -> str:
+    """The directory :func:`config_path` reads relative paths from: ``$KVPOP_WORKDIR``, else the current one."""
+    return os.environ.get(WORKDIR_ENV) or os.getcwd()
 
 
 def env_home(cfg: PipelineConfig) -> dict[str, str]:
     """Environment for Ray workers so that they resolve the same home, and the same relative paths, as the driver."""
-    return {"KVPOP_HOME": str(cfg.home_dir()), WORKDIR_ENV: os.environ.get(WORKDIR_ENV) or os.getcwd(),
+    return {"KVPOP_HOME": str(cfg.home_dir()), WORKDIR_ENV: workdir(),
             **OFFLINE_ENV, "RAY_USAGE_STATS_ENABLED": "0",
             **({"PYTHONPATH": str(REPO_ROOT)} if "PYTHONPATH" not in os.environ else {})}
