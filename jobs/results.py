@@ -36,7 +36,7 @@ def _parser():
     render.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is not up to date")
     for name, text in (("import", "ledger → MLflow (idempotent)"), ("export", "MLflow → new ledger lines")):
         q = sub.add_parser(name, help=text)
-        q.add_argument("--config", metavar="YAML", help="a preset whose tracking section names the store")
+        q.add_argument("--config", metavar="YAML", help="a preset or recipe whose tracking section names the store")
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
         if name == "export":
             q.add_argument("--dry-run", action="store_true", help="print the runs, append nothing")
@@ -63,15 +63,25 @@ def _render(args) -> int:
     return 0
 
 
+def _config(args):
+    """The config whose tracking section names the store: a recipe's (its phases share one) or a preset's."""
+    from pipelines.recipe import is_recipe, load_recipe
+
+    if is_recipe(args.config):
+        recipe = load_recipe(args.config, args.overrides)
+        return recipe.config(recipe.phases[-1])
+    return load_config(args.config, args.overrides)
+
+
 def _import(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _config(args)
     done = L.import_runs(L.read(args.ledger), cfg)
     print(f"imported {len(done)} runs into {cfg.tracking_uri()} (experiment {cfg.tracking.experiment})")
     return 0
 
 
 def _export(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = _config(args)
     known = {r.run_id for r in L.read(args.ledger)}
     skipped: list[str] = []
     runs = L.export_runs(cfg, known, skipped)

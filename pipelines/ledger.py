@@ -51,6 +51,7 @@ from typing import Any, Iterable
 
 from kvpop.files import atomic_write_text, exclusive_lock, sha256_file
 from pipelines import tracking
+from pipelines.tracking import git_commit
 from pipelines.config import ConfigError, PipelineConfig, TrackingConfig, corpus_name, fingerprint
 from pipelines.models import REPO_ROOT, kvpop_home
 
@@ -71,7 +72,7 @@ HEADLINE_BEGIN, HEADLINE_END = "<!-- BEGIN results:headline -->", "<!-- END resu
 _RUN_ID = re.compile(r"^[0-9a-f]{32}$")
 _NAME = re.compile(r"^[a-z0-9_]+/[A-Za-z0-9_.\-]+$")
 _KEY = re.compile(r"^[A-Za-z0-9_.\-/:]+$")
-_COMMIT = re.compile(r"^[0-9a-f]{7,40}$")
+_COMMIT = tracking.COMMIT_ID
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -269,19 +270,6 @@ def ledger_id(*parts: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ provenance
-def git_commit(root: Path = ROOT) -> str:
-    """``$KVPOP_COMMIT`` if set (a copy of the tree without ``.git``, e.g. on a rented GPU machine: the script that
-    ships the tree sets it), else HEAD's commit id, else "0000000" (unknown)."""
-    if _COMMIT.match(os.environ.get("KVPOP_COMMIT", "")):
-        return os.environ["KVPOP_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "0000000"
-    commit = out.stdout.strip()
-    return commit if out.returncode == 0 and _COMMIT.match(commit) else "0000000"
-
-
 def provenance(*, config: Any = None, data_digest: str | None = None, weights_digest: str | None = None,
                device: str | None = None, dtype: str | None = None, produced_by: str) -> dict[str, str]:
     """The provenance tags of a run made now: the checkout's commit, a hash of the run's configuration (any JSON-able
@@ -822,7 +810,8 @@ def _run_table(run: Run) -> list[str]:
     rows: dict[str, dict[str, Metric]] = {}
     columns: list[str] = []
     for key, m in run.metrics.items():
-        if parse_cell(key):
+        # an evaluation's ``….resolved`` flags restate its paired intervals (MLflow and report.txt keep them)
+        if parse_cell(key) or key.endswith(".resolved"):
             continue
         row, _, column = key.rpartition("/")
         row = row or "(run)"
@@ -844,11 +833,10 @@ def _describe(run: Run) -> str:
             + (f"; {tags}" if tags else "") + ")" + (f"; {params}" if params else ""))
 
 
-# README's headline: (run name, policies) — the latest run of each name in the ledger, those policies' leaderboard rows.
-# The recommended recipe's own evaluation (product) and the study that measured its evaluation rule.
-HEADLINE = (("evaluate/smollm2_scorer_wide_kernel", ("streaming", "tova", "h2o", "oracle", "kvpop")),
-            ("recency_blend/h200_w256_qp16_hk_anchors", ("kvpop_r0.0025_a0.0625",)),
-            ("recency_blend/h200_w256_qp16_hk_anchors_recall128", ("kvpop_r0.0025_a0.0625",)))
+# README's headline: (run name, policies) — those policies' leaderboard rows of the runs of that name made at its latest
+# run's commit (one evaluation may log one run per reading, e.g. per read window). The recommended recipe's
+# evaluation, made by its one command (configs/recipes/smollm2_kvpop.yaml).
+HEADLINE = (("evaluate/smollm2-kvpop-kernel", ("tova", "oracle", "kvpop")),)
 
 
 def _only_policies(run: Run, policies: tuple[str, ...]) -> Run:
@@ -859,7 +847,8 @@ def _only_policies(run: Run, policies: tuple[str, ...]) -> Run:
 def headline_table(runs: list[Run]) -> str:
     """The small table README.md shows: :data:`HEADLINE`'s rows (a name not in the ledger is left out)."""
     latest = {r.name: r for r in runs}
-    chosen = [_only_policies(latest[name], policies) for name, policies in HEADLINE if name in latest]
+    chosen = [_only_policies(r, policies) for name, policies in HEADLINE if name in latest
+              for r in runs if r.name == name and r.commit == latest[name].commit]
     return "\n".join(_leaderboard(chosen, order=False)) if chosen else "(none of the headline runs is in the ledger)"
 
 
@@ -1102,7 +1091,7 @@ def export_runs(cfg, known: set[str], skipped: list | None = None) -> list[Run]:
         else:
             name = f"{_slug(stage).lower()}/{_slug(tags.get('kvpop.config') or r.info.run_name or r.info.run_id)}"
             kind = _STAGE_KIND.get(stage, "study")
-            own.setdefault("commit", tags.get("mlflow.source.git.commit", ""))
+            own.setdefault("commit", tags.get(tracking.COMMIT_TAG, ""))
             own.setdefault("produced_by", f"pipelines/{stage}.py" if stage in ("evaluate", "train") else stage)
             if stage == "evaluate":
                 metrics = _native_cells(metrics, params)

@@ -10,10 +10,31 @@ import contextlib
 import fcntl
 import json
 import os
+import re
+import subprocess
 from pathlib import Path
 from typing import Any, Iterator
 
 from pipelines.config import PipelineConfig
+from pipelines.models import REPO_ROOT
+
+COMMIT_ID = re.compile(r"^[0-9a-f]{7,40}$")
+# the tag MLflow's fluent API sets from a git checkout; runs made with the client get it from git_commit()
+COMMIT_TAG = "mlflow.source.git.commit"
+
+
+def git_commit(root: Path = REPO_ROOT) -> str:
+    """``$KVPOP_COMMIT`` if set (a copy of the tree without ``.git``, e.g. on a rented GPU machine: the script that
+    ships the tree sets it), else HEAD's commit id, else "0000000" (unknown)."""
+    if COMMIT_ID.match(os.environ.get("KVPOP_COMMIT", "")):
+        return os.environ["KVPOP_COMMIT"]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "0000000"
+    commit = out.stdout.strip()
+    return commit if out.returncode == 0 and COMMIT_ID.match(commit) else "0000000"
+
 
 # The experiment's kind ("Machine learning": runs, not GenAI traces). MLflow 3.17's UI picks its view from
 # ?workflowType=machine_learning (or its "Model training" toggle) instead, so jobs.pipeline prints that link too.
@@ -112,6 +133,8 @@ def create_run(cfg: PipelineConfig, run_name: str, *, stage: str, parent_run_id:
     experiment_id = setup(cfg)
     client = mlflow.MlflowClient(cfg.tracking_uri())
     all_tags = {"kvpop.stage": stage, "kvpop.config": cfg.name, **(tags or {})}
+    if (commit := git_commit()) != "0000000":  # what the fluent API's git context would have tagged
+        all_tags.setdefault(COMMIT_TAG, commit)
     if parent_run_id:
         all_tags["mlflow.parentRunId"] = parent_run_id
     run_id = client.create_run(experiment_id, run_name=run_name, tags=all_tags).info.run_id

@@ -73,17 +73,36 @@ def test_every_number_carries_a_run_id_and_commit(ledger):
         for key, m in run.metrics.items():
             if L.parse_cell(key) and L.parse_cell(key)[3] not in dict(L.LEADERBOARD_COLUMNS):
                 continue
+            if key.endswith(".resolved"):  # restates a paired interval: not rendered
+                continue
             assert L.fmt_metric(m) in text, (run.name, key)
     assert f"`{L.NOTEBOOK_COMMIT[:12]}`" in text and "`" + "0" * 64 + "`" in text
 
 
+def _renamed(run: L.Run, name: str, run_id: str, commit: str) -> L.Run:
+    return L.Run(run_id, name, run.kind, run.params, run.metrics, {**run.tags, "commit": commit}, run.artifacts)
+
+
 def test_readme_headline_block_is_refreshed_between_markers(ledger):
-    runs = L.read(ledger)
+    (evaluation,) = [r for r in L.read(ledger) if r.name == "evaluate/smollm2_scorer_wide_kernel"]
+    headline = L.HEADLINE[0][0]
+    old, new_reading, other_reading = (_renamed(evaluation, headline, i * 32, c) for i, c in
+                                       (("1", "aaaaaaa111"), ("2", "bbbbbbb222"), ("3", "bbbbbbb222")))
+    old = L.Run(old.run_id, old.name, old.kind, old.params,
+                {k: L.Metric(0.123456) for k in old.metrics}, old.tags)
+    other_reading = L.Run(other_reading.run_id, other_reading.name, other_reading.kind, other_reading.params,
+                          dict(other_reading.metrics), other_reading.tags)  # an earlier commit's run of the name
+    other_reading.metrics["python_docs.kvpop.B512.kl.vs_streaming.resolved"] = L.Metric(1.0)
+    runs = L.read(ledger) + [old, new_reading, other_reading]
+    assert ".resolved" not in L.render(runs)  # a paired interval's flag, restated: MLflow keeps it
     readme = f"# KVpop\n\nintro\n\n{L.HEADLINE_BEGIN}\nstale table\n{L.HEADLINE_END}\n\nrest\n"
     new = L.refresh_readme(readme, runs)
     assert "stale table" not in new and new.startswith("# KVpop\n\nintro\n\n") and new.endswith("\n\nrest\n")
-    assert "`6b1b48fd6f87`" in new and "0.9 [0.85, 0.94]" in new  # the headline run's row
-    assert "dms" not in new.split(L.HEADLINE_BEGIN)[1]  # other runs stay out of the headline
+    block = new.split(L.HEADLINE_BEGIN)[1]
+    # every reading of the name made at its latest commit (e.g. one run per read window), not an earlier commit's
+    assert f"`{'2' * 12}`" in block and f"`{'3' * 12}`" in block and "0.9 [0.85, 0.94]" in block
+    assert f"`{'1' * 12}`" not in block and "0.1235" not in block
+    assert "dms" not in block and "`6b1b48fd6f87`" not in block  # other runs stay out of the headline
     assert L.refresh_readme(new, runs) == new
     assert L.refresh_readme("no markers\n", runs) == "no markers\n"
 
@@ -409,6 +428,31 @@ def test_import_export_round_trip_and_publish(ledger, tmp_path):
     logged = client.get_run(published.run_id)
     assert logged.data.metrics["m/ctx8/dense/tokens_per_s"] == 5.0 and logged.data.tags["kvpop.commit"] == "abcdef1"
     assert [f.path for f in client.list_artifacts(published.run_id, "result")] == ["result/capacity_t.json"]
+
+
+def test_a_stage_run_made_with_the_client_carries_the_commit_that_export_needs(tmp_path, monkeypatch):
+    """The train stage creates its run with MlflowClient (safe in Ray actors), which tags no git commit by itself:
+    without one, export would leave the run out of the ledger."""
+    import mlflow
+
+    from pipelines import tracking
+
+    monkeypatch.setenv("KVPOP_COMMIT", "abcdef1234")  # a tree without .git, as on a rented GPU machine
+    cfg = load_config(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"home={tmp_path}/home"])
+    run_id = tracking.create_run(cfg, "recipe-kernel-mlstm", stage="train", log_config=False)
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    client.log_metric(run_id, "loss", 0.3)
+    client.set_terminated(run_id)
+    skipped: list[str] = []
+    (new,) = L.export_runs(cfg, set(), skipped=skipped)
+    assert (new.run_id, new.kind, new.commit, skipped) == (run_id, "training", "abcdef1234", [])
+    # the same store named through the recipe that made the run (its phases share one tracking section)
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("")
+    recipe = Path(__file__).resolve().parents[1] / "configs" / "recipes" / "smollm2_kvpop.yaml"
+    assert cli.main(["--ledger", str(ledger), "export", "--config", str(recipe), "--set",
+                     f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", "--set", f"home={tmp_path}/home"]) == 0
+    assert [r.run_id for r in L.read(ledger)] == [run_id]
 
 
 # ------------------------------------------------------------------------------------------------ artifacts
