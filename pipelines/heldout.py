@@ -11,7 +11,8 @@ with the evaluation stage's own code (:func:`pipelines.eval_parts.evaluate_items
   ``train.eval_sequences`` sequences of each ``eval.heldout_sources`` corpus's held-out split
   (:func:`pipelines.eval_parts.heldout_corpora`: the evaluation stage's items of that corpus; text only) — how far
   the lead holds on corpora of kinds training never read;
-* at the **training budget** only: kvpop at every point; dense, streaming and the oracle (under
+* at the **training budget** only: kvpop at every point, ranked by the evaluation stage's rule (``eval.recency``,
+  ``eval.anchor_share``, ``eval.anchor_recency``: the curve ends where the stage's number starts); dense, streaming and the oracle (under
   ``precompute``'s target definition) once per worker group and corpus, as references — they do not depend on the
   scorers. A run training at per-head budgets (``train.allocation``) measures kvpop and the oracle at them (the rows
   ``kvpop-H`` / ``oracle-H`` of the evaluation stage, logged under the same names);
@@ -111,8 +112,10 @@ class HeldoutEvaluator:
     def records(self, model, policies: list[str], inputs: dict) -> list[dict]:
         allocation = runtime_of(model).allocation  # training at per-head budgets: measured at them
         allocated = [p for p in policies if allocation is not None and p in ("kvpop", "oracle")]
-        runs = settings([p for p in policies if p not in allocated], [self.cfg.budget], allocated=allocated,
-                        allocations={self.cfg.budget.total: allocation})
+        ev = self.cfg.eval  # kvpop ranks as the evaluation stage ranks it: the curve predicts the stage's number
+        runs = settings([p for p in policies if p not in allocated], [self.cfg.budget], kvpop_recency=ev.recency,
+                        kvpop_anchor_share=ev.anchor_share, kvpop_anchor_recency=ev.anchor_recency,
+                        allocated=allocated, allocations={self.cfg.budget.total: allocation})
         found, _ = evaluate_items(self.cfg, inputs, model, progress=False, runs=runs)
         return [{**r, "policy": r["policy"].removesuffix(ALLOCATED_SUFFIX)} for r in found]
 

@@ -235,7 +235,9 @@ def test_held_out_evaluation_of_another_corpus_is_the_evaluation_stages_on_its_i
     from pipelines.data import heldout_source_config
     from pipelines.heldout import HeldoutEvaluator
 
-    cfg, source = _other_corpus_config(tiny_setup, tmp_path, "train.eval_heldout_sources=true")
+    # kvpop's evaluation-time ranking (recency term, anchors) is the stage's in the curve too
+    ranking = ("eval.recency=0.05", "eval.anchor_share=0.25")
+    cfg, source = _other_corpus_config(tiny_setup, tmp_path, "train.eval_heldout_sources=true", *ranking)
     evaluator = HeldoutEvaluator(cfg)
     assert list(evaluator.items) == ["heldout.", "heldout.extra_docs."]
     held_out = train.load_sequences(heldout_source_config(cfg, source), "eval")
@@ -247,7 +249,7 @@ def test_held_out_evaluation_of_another_corpus_is_the_evaluation_stages_on_its_i
     model.eval()
     found = evaluator(model)
     assert set(evaluator.references) == {"heldout.", "heldout.extra_docs."}  # each corpus's references, once
-    plain, _ = _other_corpus_config(tiny_setup, tmp_path)
+    plain, _ = _other_corpus_config(tiny_setup, tmp_path, *ranking)
     assert {k: v for k, v in found.items() if not k.startswith("heldout.extra_docs.")} == HeldoutEvaluator(plain)(model)
     # the evaluation stage on the same items: every policy at the training budget, summarised the same way
     stage_inputs = {**evaluator.items["heldout."], "budgets": [cfg.budget]}
