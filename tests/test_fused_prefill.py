@@ -283,7 +283,8 @@ def test_graphed_prefill_on_cuda_equals_the_fused_prefill(policy):
         assert graphable(graphed, ids, None) and graphed.get_seq_length() == eager.get_seq_length() == SIZE
         for want, got in zip(_cache_state(eager), _cache_state(graphed)):
             for w, g in zip(want, got):
-                assert (w is g is None) or (w.shape == g.shape and (w.float() - g.float()).abs().max() <= 1e-5)
+                # evicted slots hold -inf priorities in both: equal, which a difference would call NaN
+                assert (w is g is None) or torch.testing.assert_close(g.float(), w.float(), rtol=0, atol=1e-5) is None
         token, position = ids[:, :1], torch.full((2, 1), SIZE, device="cuda")
         with torch.no_grad():
             logits = [model(input_ids=token, position_ids=position, use_cache=True, **{KWARG: cache}).logits
