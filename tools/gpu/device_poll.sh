@@ -6,6 +6,8 @@
 # tarball holds): if the machine is lost, the next session passes it as RECIPE_STATE and resumes from its last
 # checkpoint.
 [ -e "${GPU_DIR:-/tmp/gpu}/env.sh" ] || { echo "MACHINE GONE: a fresh machine, nothing installed"; exit 3; }
+# a poll is a fresh shell: the stack's site folder (PYTHONPATH), for the backup's `python -m jobs.state export`
+source "${GPU_DIR:-/tmp/gpu}/env.sh"
 home=${KVPOP_HOME:-/tmp/kvhome}
 end=$(($(date +%s) + ${1:?usage: device_poll.sh SECONDS}))
 finished() { grep -q "^done " /tmp/r/progress.log 2>/dev/null; }
