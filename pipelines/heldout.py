@@ -12,9 +12,9 @@ with the evaluation stage's own code (:func:`pipelines.eval_parts.evaluate_items
   (:func:`pipelines.eval_parts.heldout_corpora`: the evaluation stage's items of that corpus; text only) — how far
   the lead holds on corpora of kinds training never read;
 * at the **training budget** only: kvpop at every point, ranked by the evaluation stage's rule (``eval.recency``,
-  ``eval.anchor_share``, ``eval.anchor_recency``: the curve ends where the stage's number starts); dense, streaming and the oracle (under
-  ``precompute``'s target definition) once per worker group and corpus, as references — they do not depend on the
-  scorers. A run training at per-head budgets (``train.allocation``) measures kvpop and the oracle at them (the rows
+  ``eval.anchor_share``, ``eval.anchor_recency``: the curve ends where the stage's number starts); dense, streaming
+  and the oracle (under ``precompute``'s target definition) once per worker group and corpus, as references — they
+  do not depend on the scorers. A run training at per-head budgets (``train.allocation``) measures kvpop and the oracle at them (the rows
   ``kvpop-H`` / ``oracle-H`` of the evaluation stage, logged under the same names);
 * summarised over items (each corpus apart) with ``eval.resamples`` bootstrap resamples.
 
