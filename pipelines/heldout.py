@@ -14,8 +14,8 @@ with the evaluation stage's own code (:func:`pipelines.eval_parts.evaluate_items
 * at the **training budget** only: kvpop at every point, ranked by the evaluation stage's rule (``eval.recency``,
   ``eval.anchor_share``, ``eval.anchor_recency``: the curve ends where the stage's number starts); dense, streaming
   and the oracle (under ``precompute``'s target definition) once per worker group and corpus, as references — they
-  do not depend on the scorers. A run training at per-head budgets (``train.allocation``) measures kvpop and the oracle at them (the rows
-  ``kvpop-H`` / ``oracle-H`` of the evaluation stage, logged under the same names);
+  do not depend on the scorers. A run training at per-head budgets (``train.allocation``) measures kvpop and the
+  oracle at them (the rows ``kvpop-H`` / ``oracle-H`` of the evaluation stage, logged under the same names);
 * summarised over items (each corpus apart) with ``eval.resamples`` bootstrap resamples.
 
 :func:`heldout_metrics` names what is logged (:data:`METRICS` the curve's main lines; each with ``.lo`` / ``.hi``,

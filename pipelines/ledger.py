@@ -833,8 +833,8 @@ def _describe(run: Run) -> str:
             + (f"; {tags}" if tags else "") + ")" + (f"; {params}" if params else ""))
 
 
-# README's headline: (run name, policies) — those policies' leaderboard rows of the runs of that name made at its latest
-# run's commit (one evaluation may log one run per reading, e.g. per read window). The recommended recipe's
+# README's headline: (run name, policies) — those policies' leaderboard rows of the runs of that name made at its
+# latest run's commit (one evaluation may log one run per reading, e.g. per read window). The recommended recipe's
 # evaluation, made by its one command (configs/recipes/smollm2_kvpop.yaml).
 HEADLINE = (("evaluate/smollm2-kvpop-kernel", ("tova", "oracle", "kvpop")),)
 
