@@ -171,6 +171,13 @@ class FinishedParts:
             atomic_write_text(self.folder / f"{part}.json", json.dumps({"seconds": seconds, "records": records}))
 
 
+def kvpop_ranking(ev) -> dict:
+    """How the kvpop rows rank at evaluation (``eval.recency``, ``eval.anchor_share``, ``eval.anchor_recency``), as
+    keywords of :func:`kvpop.evaluation.settings`: the stage's rows and the learning curve's points alike."""
+    return {"kvpop_recency": ev.recency, "kvpop_anchor_share": ev.anchor_share,
+            "kvpop_anchor_recency": ev.anchor_recency}
+
+
 def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, progress: bool = True,
                    runs: list | None = None, metric_start: int | None = None,
                    finished: FinishedParts = FinishedParts(None), prefix: str = "") -> tuple[list[dict], dict]:
@@ -179,8 +186,7 @@ def evaluate_items(cfg: PipelineConfig, inputs: dict, model, reference=None, *, 
     settings (default every ``eval.policies`` × budget); ``metric_start``: count the text metrics from there.
     ``finished``: parts already run are taken from there (as ``prefix + part``), each part run is put there."""
     tok, ev = inputs["tokenizer"], cfg.eval
-    runs = runner.settings(ev.policies, inputs["budgets"], kvpop_recency=ev.recency, kvpop_anchor_share=ev.anchor_share,
-                           kvpop_anchor_recency=ev.anchor_recency, allocated=ev.allocated,
+    runs = runner.settings(ev.policies, inputs["budgets"], **kvpop_ranking(ev), allocated=ev.allocated,
                            allocations=inputs.get("allocations")) if runs is None else runs
     others = len([s for s in runs if s.policy != "dense"])
     pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)

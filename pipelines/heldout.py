@@ -38,7 +38,7 @@ from kvpop.pretrained import read_model_config
 from pipelines import report
 from pipelines.config import HELDOUT_REFERENCES, ConfigError, PipelineConfig
 from pipelines.data import check_heldout_sources, load_sequences, load_tokenizer
-from pipelines.eval_parts import evaluate_items, heldout_corpora, recall_samples
+from pipelines.eval_parts import evaluate_items, heldout_corpora, kvpop_ranking, recall_samples
 
 METRICS = ("heldout.kl", "heldout.top1", "heldout.gap_closed", "heldout.recall_exact")
 PREFIX = "heldout."
@@ -112,10 +112,10 @@ class HeldoutEvaluator:
     def records(self, model, policies: list[str], inputs: dict) -> list[dict]:
         allocation = runtime_of(model).allocation  # training at per-head budgets: measured at them
         allocated = [p for p in policies if allocation is not None and p in ("kvpop", "oracle")]
-        ev = self.cfg.eval  # kvpop ranks as the evaluation stage ranks it: the curve predicts the stage's number
-        runs = settings([p for p in policies if p not in allocated], [self.cfg.budget], kvpop_recency=ev.recency,
-                        kvpop_anchor_share=ev.anchor_share, kvpop_anchor_recency=ev.anchor_recency,
-                        allocated=allocated, allocations={self.cfg.budget.total: allocation})
+        # kvpop ranks as the evaluation stage ranks it: the curve predicts the stage's number
+        runs = settings([p for p in policies if p not in allocated], [self.cfg.budget],
+                        **kvpop_ranking(self.cfg.eval), allocated=allocated,
+                        allocations={self.cfg.budget.total: allocation})
         found, _ = evaluate_items(self.cfg, inputs, model, progress=False, runs=runs)
         return [{**r, "policy": r["policy"].removesuffix(ALLOCATED_SUFFIX)} for r in found]
 
