@@ -12,7 +12,8 @@ figure.
   chunks replayed as one CUDA graph (``kvpop-B<B>-graphed``: :func:`kvpop.prefill` ``graphed=True``, the graph
   captured inside every timed prefill, as a user's single prefill pays it). Each
   configuration is warmed up first (compiling its shapes; ``warmup_s``) on a prompt of two chunks, then timed.
-  ``--profile FILE`` writes a torch.profiler table of the top kernels of one KVpop prefill and of dense's, so a
+  ``--profile FILE`` writes a torch.profiler table of the top kernels of one KVpop prefill and of dense's, and of
+  one step of every timed decoding batch (eager, outside the graph; a compiled step after its compilation), so a
   missed target names the kernel that holds it back.
 * **Dense at its best**: each row's keys/values in an exact-sized preallocated buffer (``context`` slots per layer),
   one decoding step of the whole model captured as a CUDA graph, attention by SDPA with the query heads grouped on
@@ -194,18 +195,26 @@ NO_KERNEL = {"alias", "as_strided", "as_strided_", "chunk", "contiguous", "detac
              "_unsafe_view", "view", "view_as"}
 
 
-def kernels_per_step(step, device) -> int:
-    """Kernels one call of ``step`` launches: on CUDA as the profiler sees them; on CPU, the outermost aten operators
-    that compute (looking through views and conversions to what they call), ~ what would launch on a GPU."""
+def profile_step(step, device) -> tuple[int, str]:
+    """``(kernels, table)`` of one call of ``step`` after a call outside the profile (a compiled step compiles and
+    autotunes there, not in the count): the kernels it launches — on CUDA as the profiler sees them; on CPU, the
+    outermost aten operators that compute (looking through views and conversions to what they call), ~ what would
+    launch on a GPU — and the profiler's table of its top kernels by their own device time (CPU: operator time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CUDA] if device.type == "cuda" else [ProfilerActivity.CPU]
-    with torch.no_grad(), profile(activities=activities) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.no_grad():
         step()
         _sync(device)
+        with profile(activities=activities) as prof:
+            step()
+            _sync(device)
     events = prof.events()
+    averages = prof.key_averages()
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = averages.table(sort_by=sort, row_limit=25)
     if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA), table
 
     def computing(event):
         if event.name.removeprefix("aten::") not in NO_KERNEL:
@@ -214,7 +223,7 @@ def kernels_per_step(step, device) -> int:
 
     outermost = [e for e in events if e.name.startswith("aten::")
                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-    return sum(computing(e) for e in outermost)
+    return sum(computing(e) for e in outermost), table
 
 
 def step_activation_bytes(model, extra_per_layer: int = 0) -> int:
@@ -278,7 +287,8 @@ class Config:
     # -- decoding at one batch
 
     def decoder(self, batch: int):
-        """``(replay, bytes read per step, kernels per step)`` for ``batch`` rows, the one prefilled row replicated."""
+        """``(replay, bytes read per step, (kernels per step, their profile table))`` for ``batch`` rows, the one
+        prefilled row replicated."""
         import kvpop
         from kvpop.decode import capture_graph
 
@@ -297,7 +307,7 @@ class Config:
                 cache.ring_index.add_(1).remainder_(self.context)  # the next step overwrites the next oldest slot
                 return logits
 
-            kernels = kernels_per_step(forward, self.device) if self.args["count_kernels"] else None
+            kernels = profile_step(forward, self.device) if self.args["count_kernels"] else (None, None)
             state = batch * self.state_per_row
             if self.device.type == "cuda":
                 graph, _ = capture_graph(forward)
@@ -310,7 +320,7 @@ class Config:
             return self.model(input_ids=ids, position_ids=position, use_cache=True, logits_to_keep=1,
                               **{_cache_kwarg(): cache}).logits
 
-        kernels = kernels_per_step(forward, self.device) if self.args["count_kernels"] else None
+        kernels = profile_step(forward, self.device) if self.args["count_kernels"] else (None, None)
         state = sum(cache.nbytes().values())
         if self.device.type == "cuda":
             decoder(ids, position)  # captures (warm-up steps included), then one replay
@@ -319,12 +329,15 @@ class Config:
 
     def decode(self, batch: int) -> dict:
         self._reset_peak()
-        replay, state, kernels = self.decoder(batch)
+        replay, state, (kernels, table) = self.decoder(batch)
         with torch.no_grad():
             replay()
             step = time_steps(replay, self.args["steps"], self.device)
         floor = (self.weights + state) / self.bandwidth
         compiled = self.policy != "dense" and self.model.kvpop_runtime.compile_decode
+        if table is not None and self.args.get("profile") is not None:
+            append_profile(self.args["profile"], f"{self.name} {self.policy} decoding step, context {self.context}, "
+                           f"batch {batch}{', compiled layer step' if compiled else ''}", table)
         return {"batch": batch, "compiled_step": compiled, "step_ms": 1e3 * step, "tokens_per_s": batch / step,
                 "floor_ms": 1e3 * floor,
                 "x_floor": step / floor, "state_gib": _gib(state), "kv_exceeds_weights": state > self.weights,
@@ -480,7 +493,6 @@ def profile_prefill(model, name, args, device, path: Path) -> None:
 
     context, chunk, budget = args["sweep_context"], args["prefill_chunk"], args["budgets"][0]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sections = []
     for policy in ("kvpop", "dense"):
         set_policy(model, args, policy, budget)
         ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
@@ -493,12 +505,16 @@ def profile_prefill(model, name, args, device, path: Path) -> None:
         sort = next((key for key in ("self_device_time_total", "self_cuda_time_total")
                      if device.type == "cuda" and events and hasattr(events[0], key)), "self_cpu_time_total")
         label = "dense" if policy == "dense" else f"kvpop-B{budget}, chunk {chunk}"
-        sections.append(f"## {name} {label}, context {context}, one row (sorted by {sort})\n\n"
-                        + events.table(sort_by=sort, row_limit=30))
+        append_profile(path, f"{name} {label} prefill, context {context}, one row (sorted by {sort})",
+                       events.table(sort_by=sort, row_limit=30))
+    print(f"# profile of {name}'s prefill appended to {path}", flush=True)
+
+
+def append_profile(path: Path, title: str, table: str) -> None:
+    """One section of the ``--profile`` file: a prefill's or a decoding step's top kernels."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as f:
-        f.write("\n\n".join(sections) + "\n\n")
-    print(f"# profile of {name}'s prefill appended to {path}", flush=True)
+        f.write(f"## {title}\n\n{table}\n\n")
 
 
 def run_config(model, name, policy, context, budget, args, device, bandwidth, result, deadline, out):
@@ -569,7 +585,8 @@ def main(argv=None):
                         help="torch.compile each layer's KVpop decoding step; both: the largest batch both ways")
     parser.add_argument("--compile", dest="compile_decode", action="store_const", const="on",
                         help="same as --compile-decode on")
-    parser.add_argument("--profile", metavar="FILE", help="write a profiler table of one KVpop and one dense prefill")
+    parser.add_argument("--profile", metavar="FILE", help="write profiler tables of one KVpop and one dense prefill "
+                        "and of every timed decoding batch's step")
     parser.add_argument("--margin-gib", type=float, help="device memory kept back when sizing the batch")
     parser.add_argument("--memory-gib", type=float, help="size batches for this much memory instead of the free")
     parser.add_argument("--max-batch", type=int)
@@ -621,7 +638,7 @@ def run(args, ns, device):
     if device.type == "cuda":
         result["device_memory_gib"] = _gib(torch.cuda.get_device_properties(0).total_memory)
     out = Path(ns.out) if ns.out else None
-    profile = Path(ns.profile) if ns.profile else None
+    profile = args["profile"] = Path(ns.profile) if ns.profile else None  # decoding steps append to it too
     if profile is not None:
         profile.unlink(missing_ok=True)
     max_len = max(args["contexts"] + args["decode_contexts"]) + 1024
