@@ -10,7 +10,9 @@ figure.
   at ``sweep_context`` with one row every chunk size of ``prefill_chunks`` (1k / 2k / 4k / 8k) is timed too. With
   ``graph_prefill`` (the GPU presets; ``--no-graph-prefill``) each KVpop row is timed a second time with its full
   chunks replayed as one CUDA graph (``kvpop-B<B>-graphed``: :func:`kvpop.prefill` ``graphed=True``, the graph
-  captured inside every timed prefill, as a user's single prefill pays it). Each
+  captured inside every timed prefill, as a user's single prefill pays it) and a third time replaying the graph an
+  earlier prefill of the same shapes captured (``kvpop-B<B>-graph-kept``: ``graphed=ChunkGraph()``, as a server
+  that captured at start-up pays it). Each
   configuration is warmed up first (compiling its shapes; ``warmup_s``) on a prompt of two chunks, then timed.
   ``--profile FILE`` writes a torch.profiler table of the top kernels of one KVpop prefill and of dense's, and of
   one step of every timed decoding batch (eager, outside the graph; a compiled step after its compilation), so a
@@ -42,6 +44,7 @@ figure.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import platform
@@ -90,6 +93,7 @@ PRESETS = {
 }
 DENSE_ATTENTION = "kvpop_capacity_dense"
 GRAPHED = "kvpop-graphed"  # prefill rows whose full chunks replay a CUDA graph (kvpop.prefill(graphed=True))
+KEPT = "kvpop-graph-kept"  # ... a graph an earlier prefill of the same shapes captured (graphed=ChunkGraph())
 
 
 def _sync(device):
@@ -393,6 +397,15 @@ def set_policy(model, args, policy: str, budget: int | None) -> None:
     kvpop.set_policy(model, "kvpop", kvpop.Budget(args["sink"], args["window"], budget - args["sink"] - args["window"]))
 
 
+@functools.cache
+def kept_graph():
+    """The :class:`kvpop.decode.ChunkGraph` of the ``kvpop-graph-kept`` rows (one at a time: another shape, budget
+    or model recaptures)."""
+    from kvpop.decode import ChunkGraph
+
+    return ChunkGraph()
+
+
 @torch.no_grad()
 def run_prefill(model, policy: str, ids, chunk: int):
     """One prefill of ``ids`` ``[rows, context]``: dense's causal pass into an exact-sized cache, or KVpop's bounded
@@ -400,7 +413,7 @@ def run_prefill(model, policy: str, ids, chunk: int):
     import kvpop
 
     if policy != "dense":
-        return kvpop.prefill(model, ids, chunk=chunk, graphed=policy == GRAPHED)
+        return kvpop.prefill(model, ids, chunk=chunk, graphed=kept_graph() if policy == KEPT else policy == GRAPHED)
     rows, context = ids.shape
     cache = dense_cache(model, rows, context)
     model(input_ids=ids, position_ids=torch.arange(context, device=ids.device).expand(rows, context), use_cache=True,
@@ -416,9 +429,10 @@ def prefill_rows(context: int, args) -> list[int]:
 def prefill_plan(args, policies) -> list[tuple]:
     """``(context, rows, policy, budget, chunk)``, what issue 44's targets read first (a run that hits its time limit
     loses the rest): one row at every context, dense then every budget at ``prefill_chunk`` (with ``graph_prefill``
-    each budget also with its full chunks replayed as a CUDA graph, policy ``kvpop-graphed``); then the batches of
+    each budget also with its full chunks replayed as a CUDA graph, captured in the prefill, policy
+    ``kvpop-graphed``, or by an earlier prefill of the same shapes, ``kvpop-graph-kept``); then the batches of
     rows, likewise; then the other chunks of ``prefill_chunks`` at ``sweep_context`` with one row."""
-    kvpops = ["kvpop", GRAPHED] if args.get("graph_prefill") else ["kvpop"]
+    kvpops = ["kvpop", GRAPHED, KEPT] if args.get("graph_prefill") else ["kvpop"]
 
     def group(context, rows, chunks, with_dense=True):
         dense = [(context, rows, "dense", None, None)] if with_dense and "dense" in policies else []
@@ -458,7 +472,7 @@ def prefill_table(model, name, args, policies, device, result, out, deadline) ->
     timed; KVpop's rows carry their tokens/s as a multiple of dense's at the same context and rows (``x_dense``)."""
     dense_speed = {}
     for context, rows, policy, budget, chunk in prefill_plan(args, policies):
-        label = "dense" if policy == "dense" else f"kvpop-B{budget}" + ("-graphed" if policy == GRAPHED else "")
+        label = "dense" if policy == "dense" else f"kvpop-B{budget}" + policy[len("kvpop"):]
         head = {"model": name, "policy": label, "context": context, "rows": rows, "chunk": chunk,
                 "compiled": policy != "dense" and device.type == "cuda" and args["compile_prefill"]}
         if time.perf_counter() > deadline:
@@ -468,7 +482,9 @@ def prefill_table(model, name, args, policies, device, result, out, deadline) ->
         try:
             ids = torch.randint(0, model.config.vocab_size, (rows, context), device=device)
             t0 = time.perf_counter()
-            run_prefill(model, policy, ids[:, :min(context, 2 * chunk if chunk else 1024)], chunk)  # compiles its shapes
+            warm = (torch.randint_like(ids, model.config.vocab_size) if policy == KEPT  # captures the kept graph
+                    else ids[:, :min(context, 2 * chunk if chunk else 1024)])  # compiles its shapes
+            run_prefill(model, policy, warm, chunk)
             _sync(device)
             warmup = time.perf_counter() - t0
             seconds, peak = time_prefill(model, policy, ids, chunk, device)
@@ -580,7 +596,7 @@ def main(argv=None):
     parser.add_argument("--no-compile-prefill", dest="compile_prefill", action="store_false", default=None,
                         help="the fused prefill's bookkeeping eager (Runtime.compile_prefill off)")
     parser.add_argument("--no-graph-prefill", dest="graph_prefill", action="store_false", default=None,
-                        help="no kvpop-B<B>-graphed prefill rows (full chunks replayed as a CUDA graph)")
+                        help="no kvpop-B<B>-graphed / -graph-kept prefill rows (full chunks replayed as a CUDA graph)")
     parser.add_argument("--compile-decode", choices=["off", "on", "both"],
                         help="torch.compile each layer's KVpop decoding step; both: the largest batch both ways")
     parser.add_argument("--compile", dest="compile_decode", action="store_const", const="on",
@@ -671,6 +687,7 @@ def run(args, ns, device):
             t0 = time.perf_counter()
             run_config(model, name, label, context, budget, args, device, bandwidth, result, deadline, out)
             print(f"# {name} {label} {context}: {time.perf_counter() - t0:.1f} s", flush=True)
+        kept_graph().release()  # the last kept graph's buffers and memory pool
         del model
         _oom_cleanup(device)
     result["seconds"] = time.perf_counter() - started

@@ -29,7 +29,7 @@ def _forward(model, cache, input_ids, start: int, end: int, attention_mask=None,
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, chunk: int | None = None,
             attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-            graphed: bool = False) -> KVpopCache:
+            graphed: bool | ChunkGraph = False) -> KVpopCache:
     """Bounded prefill (METHOD §5): the columns of ``input_ids`` the cache has not seen, at most ``chunk`` per call
     (default ``Runtime.prefill_chunk``), each compressed back into the ``B`` slots before the next; returns the
     cache. The cache's key/value memory peaks at every layer's ``B`` slots plus one layer's ``B + chunk``
@@ -44,7 +44,8 @@ def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, 
     policy's fixed slots), the full chunks after the first replay one CUDA graph of the model's forward over a
     chunk (:class:`GraphedDecoder` at the chunk's width: its fused path never waits on the host, and every chunk
     has the same shapes) instead of launching each layer's kernels from Python; elsewhere the chunks run as
-    without it. The graph is captured for this prefill (one warm-up chunk, restored, and the capture itself).
+    without it. The graph is captured for this prefill (one warm-up chunk, restored, and the capture itself) — or,
+    with a :class:`ChunkGraph` as ``graphed``, kept there and replayed by later prefills of the same shapes.
     """
     cache = cache if cache is not None else KVpopCache(model)
     chunk = chunk if chunk is not None else model.kvpop_runtime.prefill_chunk
@@ -52,17 +53,90 @@ def prefill(model, input_ids: torch.Tensor, *, cache: KVpopCache | None = None, 
     bounds = chunk_bounds(cache.get_seq_length(), input_ids.shape[1], chunk)
     cache.prefill_chunk = chunk  # the size at which its chunks take the fused path (kvpop.cache)
     spans = list(zip(bounds[:-1], bounds[1:]))
-    replay = graphed and len(spans) > 2 and graphable(cache, input_ids, attention_mask)
+    replay = bool(graphed) and len(spans) > 2 and graphable(cache, input_ids, attention_mask)
+    kept = graphed if isinstance(graphed, ChunkGraph) and replay else None
     for index, (start, end) in enumerate(spans):
         if not replay or index == 0:  # the first chunk (the remainder) also fills the cache's buffers
             _forward(model, cache, input_ids, start, end, attention_mask, position_ids, **keep)
             continue
         if index == 1:
-            step = GraphedDecoder(model, cache, warmup=1, **keep)
+            step = (kept.bind(model, cache, end - start, keep) if kept is not None
+                    else GraphedDecoder(model, cache, warmup=1, **keep))
         positions = (torch.arange(start, end, device=input_ids.device).expand(len(input_ids), -1)
                      if position_ids is None else position_ids[:, start:end])
         step(input_ids[:, start:end], positions)
+    if kept is not None:
+        kept.unbind(cache)
     return cache
+
+
+class ChunkGraph:
+    """A prefill chunk's CUDA graph kept across prompts (:func:`prefill` ``graphed=ChunkGraph()``): the first
+    prefill captures it, later ones of the same rows, chunk, policy and weights replay it without capturing again
+    (what a server does once at start-up instead of once per prompt).
+
+    A captured graph reads and writes fixed memory, so it replays on buffers of its own: a copy of the caller's
+    cache made at capture (:meth:`bind`), into which each later prefill's cache is copied after its first chunk
+    and from which it is copied back at the end (:meth:`unbind`) — the caller's cache is always the one filled, and
+    a cache returned by an earlier prefill is never touched. Anything else the forward reads is baked into the
+    graph, so the key holds the model's parameters' storage, the policy, the oracle's targets and whether the
+    bookkeeping is compiled: changing any of them (``set_policy``, a new ``oracle_priorities`` block, reassigned
+    weights) recaptures. Holds one cache's
+    state and the graph's memory pool until :meth:`release` or garbage collection."""
+
+    def __init__(self):
+        self.key = self.cache = self.decoder = self.held = None
+
+    def _key(self, model, cache, width: int, keep: dict) -> tuple:
+        runtime = model.kvpop_runtime
+        return (tuple(p.data_ptr() for p in model.parameters()), id(runtime.policy), id(runtime.oracle),
+                runtime.compile_prefill, width, tuple(sorted(keep.items())),
+                tuple((tuple(t.shape), t.dtype, t.device) for t in cache_tensors(cache)))
+
+    def bind(self, model, cache: KVpopCache, width: int, keep: dict) -> GraphedDecoder:
+        """The decoder that replays ``cache``'s next chunks of ``width`` columns, ``cache``'s state copied into its
+        buffers (captured now if nothing matching is kept)."""
+        key = self._key(model, cache, width, keep)
+        if key == self.key:
+            copy_cache_state(cache, self.cache)
+        else:
+            self.release()
+            runtime = model.kvpop_runtime
+            self.held = (runtime.policy, runtime.oracle)  # alive while keyed by their ids
+            self.cache = cache.repeated(1)  # the graph's own buffers: a copy of the cache after its first chunk
+            self.decoder, self.key = GraphedDecoder(model, self.cache, warmup=1, **keep), key
+        return self.decoder
+
+    def unbind(self, cache: KVpopCache) -> None:
+        """Copy the replayed state back into ``cache`` (its counts of columns and its peak memory too)."""
+        copy_cache_state(self.cache, cache)
+        cache.meter.peak = max(cache.meter.peak, self.cache.meter.peak)
+
+    def release(self) -> None:
+        """Drop the graph and its buffers (their device memory returns to the caching allocator)."""
+        self.key = self.cache = self.decoder = self.held = None
+
+
+def cache_tensors(cache: KVpopCache):
+    """Every tensor ``cache``'s layers hold, in a fixed order: slots, metadata, scorer state (per-head budgets: their
+    parts' too)."""
+    layers = list(cache.layers)
+    while layers:
+        layer = layers.pop(0)
+        layers[:0] = [part for _, _, part in getattr(layer, "parts", ())]  # per-head budgets (headwise_cache)
+        for name in layer._batch_tensors():
+            if getattr(layer, name, None) is not None:
+                yield getattr(layer, name)
+        state = layer.scorer_state or {}
+        yield from (state[name] for name in sorted(state))
+
+
+def copy_cache_state(source: KVpopCache, target: KVpopCache) -> None:
+    """``target`` takes ``source``'s state in place: every tensor (same shapes), the columns seen, the filled flags."""
+    for want, have in zip(cache_tensors(source), cache_tensors(target), strict=True):
+        have.copy_(want)
+    for want, have in zip(source.layers, target.layers, strict=True):
+        have.columns, have.full = want.columns, want.full
 
 
 def graphable(cache: KVpopCache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> bool:
@@ -155,14 +229,7 @@ class GraphedDecoder:
         self.graph = None
 
     def _tensors(self):
-        layers = list(self.cache.layers)
-        while layers:
-            layer = layers.pop(0)
-            layers[:0] = [part for _, _, part in getattr(layer, "parts", ())]  # per-head budgets (headwise_cache)
-            for name in layer._batch_tensors():
-                if getattr(layer, name, None) is not None:
-                    yield getattr(layer, name)
-            yield from (layer.scorer_state or {}).values()
+        return cache_tensors(self.cache)
 
     def _forward(self):
         return self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, **{CACHE_KWARG: self.cache},

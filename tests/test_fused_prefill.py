@@ -254,15 +254,40 @@ def test_graphed_prefill_runs_as_the_eager_one_where_it_cannot_replay():
     slots (:func:`kvpop.decode.graphable`); elsewhere (here: CPU; a dynamic policy) it is the eager prefill."""
     from kvpop.decode import graphable
 
+    from kvpop.decode import ChunkGraph
+
     for policy in ("kvpop:mlstm", "tova"):
         model = retrofitted(policy)
         ids = torch.randint(1, 97, (2, SIZE))
         eager = kvpop.prefill(model, ids, chunk=8)
-        graphed = kvpop.prefill(model, ids, chunk=8, graphed=True)
-        assert not graphable(graphed, ids, None)
-        assert graphed.get_seq_length() == eager.get_seq_length() == SIZE
-        for want, got in zip(_cache_state(eager), _cache_state(graphed)):
-            assert all(w is g is None or torch.equal(w, g) for w, g in zip(want, got))
+        kept = ChunkGraph()
+        for graphed in (kvpop.prefill(model, ids, chunk=8, graphed=True),
+                        kvpop.prefill(model, ids, chunk=8, graphed=kept)):
+            assert not graphable(graphed, ids, None)
+            assert graphed.get_seq_length() == eager.get_seq_length() == SIZE
+            for want, got in zip(_cache_state(eager), _cache_state(graphed)):
+                assert all(w is g is None or torch.equal(w, g) for w, g in zip(want, got))
+        assert kept.decoder is None  # nothing captured, nothing kept
+
+
+def test_copying_a_cache_state_makes_it_that_cache():
+    """What a kept chunk graph replays on (:class:`kvpop.decode.ChunkGraph`): a cache given another prompt's state
+    in place holds every tensor of it, its columns, and continues as it does."""
+    from kvpop.decode import cache_tensors, copy_cache_state
+
+    model = retrofitted("kvpop+anchors:mlstm")
+    first, second = (torch.randint(1, 97, (2, SIZE), generator=torch.Generator().manual_seed(s)) for s in (1, 2))
+    target = kvpop.prefill(model, first, chunk=8)
+    source = kvpop.prefill(model, second[:, :SIZE - 6], chunk=8)
+    buffers = [t.data_ptr() for t in cache_tensors(target)]
+    copy_cache_state(source, target)
+    assert [t.data_ptr() for t in cache_tensors(target)] == buffers  # in place: a graph's memory stays valid
+    assert all(torch.equal(a, b) for a, b in zip(cache_tensors(source), cache_tensors(target), strict=True))
+    assert target.get_seq_length() == source.get_seq_length() == SIZE - 6
+    with torch.no_grad():
+        logits = [model(input_ids=second[:, SIZE - 6:], use_cache=True, **{CACHE_KWARG: cache}).logits
+                  for cache in (source, target)]
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -290,6 +315,36 @@ def test_graphed_prefill_on_cuda_equals_the_fused_prefill(policy):
             logits = [model(input_ids=token, position_ids=position, use_cache=True, **{KWARG: cache}).logits
                       for cache in (eager, graphed)]
     assert (logits[0] - logits[1]).abs().max() <= 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("policy", ["kvpop:mlstm", "oracle+ties"])
+def test_a_kept_chunk_graph_replays_later_prompts_as_their_own_prefill(policy):
+    """:class:`kvpop.decode.ChunkGraph`: the second prompt's prefill replays the first one's graph (no capture) and
+    leaves its cache as its own graphed prefill does; the first prompt's cache is left as it was; a new oracle
+    block (other targets) recaptures."""
+    from kvpop.decode import ChunkGraph, cache_tensors
+
+    model = retrofitted(policy).cuda()
+    model.kvpop_runtime.compile_prefill = True
+    prompts = [torch.randint(1, 97, (2, SIZE), device="cuda", generator=torch.Generator("cuda").manual_seed(s))
+               for s in (1, 2)]
+    targets = oracle_targets(model, 2, ties=policy.endswith("ties")).cuda()
+    kept = ChunkGraph()
+    with kvpop.oracle_priorities(model, targets):
+        first = kvpop.prefill(model, prompts[0], chunk=8, graphed=kept)
+        before = [t.clone() for t in cache_tensors(first)]
+        graph = kept.decoder.graph
+        second = kvpop.prefill(model, prompts[1], chunk=8, graphed=kept)
+        assert kept.decoder.graph is graph  # replayed, not captured again
+        alone = kvpop.prefill(model, prompts[1], chunk=8, graphed=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, cache_tensors(first), strict=True))
+    for want, got in zip(cache_tensors(alone), cache_tensors(second), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=1e-5)
+    assert second.get_seq_length() == SIZE
+    with kvpop.oracle_priorities(model, targets.clone()):
+        kvpop.prefill(model, prompts[1], chunk=8, graphed=kept)
+    assert kept.decoder.graph is not graph  # other targets' tensor: captured again
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused, compiled prefill runs on CUDA")
