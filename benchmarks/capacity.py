@@ -50,6 +50,7 @@ import json
 import platform
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -480,20 +481,29 @@ def prefill_table(model, name, args, policies, device, result, out, deadline) ->
             continue
         set_policy(model, args, policy, budget)
         try:
-            ids = torch.randint(0, model.config.vocab_size, (rows, context), device=device)
-            t0 = time.perf_counter()
-            warm = (torch.randint_like(ids, model.config.vocab_size) if policy == KEPT  # captures the kept graph
-                    else ids[:, :min(context, 2 * chunk if chunk else 1024)])  # compiles its shapes
-            run_prefill(model, policy, warm, chunk)
-            _sync(device)
-            warmup = time.perf_counter() - t0
-            seconds, peak = time_prefill(model, policy, ids, chunk, device)
+            with warnings.catch_warnings(record=True) as caught:  # kvpop.cache: a shape that failed to compile
+                warnings.simplefilter("always", RuntimeWarning)
+                ids = torch.randint(0, model.config.vocab_size, (rows, context), device=device)
+                t0 = time.perf_counter()
+                warm = (torch.randint_like(ids, model.config.vocab_size) if policy == KEPT  # captures the kept graph
+                        else ids[:, :min(context, 2 * chunk if chunk else 1024)])  # compiles its shapes
+                run_prefill(model, policy, warm, chunk)
+                _sync(device)
+                warmup = time.perf_counter() - t0
+                seconds, peak = time_prefill(model, policy, ids, chunk, device)
         except torch.OutOfMemoryError:
             _oom_cleanup(device)
             _emit(result, out, {**head, "error": "out of memory"}, "prefill")
             continue
+        except Exception as err:  # noqa: BLE001 - recorded as the row; the other rows still run
+            message = (str(err).strip().splitlines() or [""])[0][:200]
+            _emit(result, out, {**head, "error": f"{type(err).__name__}: {message}"}, "prefill")
+            continue
         speed = rows * context / seconds
         row = {**head, "prefill_s": seconds, "tokens_per_s": speed, "peak_gib": peak, "warmup_s": warmup}
+        fallbacks = [str(w.message) for w in caught if "torch.compile failed" in str(w.message)]
+        if fallbacks:  # timed eagerly where compiling failed: say so beside the figure
+            row["compile_fallback"] = fallbacks[0][:200]
         if policy == "dense":
             dense_speed[context, rows] = speed
         elif (context, rows) in dense_speed:

@@ -56,11 +56,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import warnings
 from typing import NamedTuple
 
 import torch
 import transformers
 from packaging.version import Version
+from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvpop.attention import (candidate_attention, explicit_attention, raise_recompile_limits, retention_block_indices,
@@ -400,12 +402,39 @@ def finish_static_chunk(keys, values, slot_pos, slot_prio, slot_anchor, cand: Ca
                      budget.window)
 
 
+def _compile_errors() -> tuple[type[Exception], ...]:
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    return BackendCompilerFailed, InductorError
+
+
 @functools.cache
 def _compiled(fn):
     """``fn`` under ``torch.compile`` at static shapes (``Runtime.compile_prefill``: one chunk size, so one shape per
-    batch size and budget)."""
+    batch size and budget). Shapes whose compilation fails (an inductor bug: an H100 hit one at chunk 8192 × 8 rows)
+    run ``fn`` eagerly from then on, with a warning. Exact either way: the chunk's functions only write in place what
+    they compute from their inputs, so a call that failed after a compiled part of it ran is redone by the eager one
+    to the same state."""
     raise_recompile_limits()
-    return torch.compile(fn, dynamic=False)
+    compiled = torch.compile(fn, dynamic=False)
+    eager_shapes: set[tuple] = set()
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        leaves = tree_leaves((args, kwargs))
+        shapes = tuple(tuple(leaf.shape) for leaf in leaves if isinstance(leaf, torch.Tensor))
+        if shapes not in eager_shapes:
+            try:
+                return compiled(*args, **kwargs)
+            except _compile_errors() as err:
+                eager_shapes.add(shapes)
+                line = (str(err).strip().splitlines() or [""])[0][:200]
+                warnings.warn(f"torch.compile failed for {fn.__name__} at these shapes ({type(err).__name__}: "
+                              f"{line}); running it eagerly", RuntimeWarning, stacklevel=2)
+        return fn(*args, **kwargs)
+
+    return run
 
 
 def _best(score: torch.Tensor, eligible: torch.Tensor, topk: int) -> torch.Tensor:

@@ -243,6 +243,35 @@ def test_compile_prefill_falls_back_to_eager_on_cpu(monkeypatch):
     assert cache.prefill_chunk == 8
 
 
+def test_a_shape_that_fails_to_compile_runs_eagerly_with_a_warning(monkeypatch):
+    """``Runtime.compile_prefill``'s bookkeeping: where torch.compile fails at some shapes (an inductor error), those
+    shapes run the function eagerly from then on (one warning each); other shapes still try the compiled one."""
+    from torch._inductor.exc import InductorError
+
+    from kvpop.cache import _compiled
+
+    attempts = []
+
+    def failing_compile(fn, **kwargs):
+        def run(*args, **kw):
+            attempts.append(tuple(args[0].shape))
+            raise InductorError(TypeError("list indices must be integers or slices, not NoneType"), None)
+        return run
+
+    monkeypatch.setattr(torch, "compile", failing_compile)
+
+    def double(x, *, plus):
+        return x * 2 + plus
+
+    run = _compiled(double)
+    with pytest.warns(RuntimeWarning, match="torch.compile failed for double .*InductorError.*running it eagerly"):
+        assert torch.equal(run(torch.ones(3), plus=1), torch.full((3,), 3.0))
+    assert torch.equal(run(torch.ones(3), plus=0), torch.full((3,), 2.0))  # that shape: eager, not retried
+    with pytest.warns(RuntimeWarning):
+        run(torch.ones(2, 2), plus=0)
+    assert attempts == [(3,), (2, 2)]
+
+
 def _cache_state(cache):
     """Every tensor a layer holds (None where a policy keeps none), the scorer's state by name."""
     return [(layer.keys, layer.values, layer.slot_pos, layer.slot_prio, layer.slot_anchor, layer.slot_score,
