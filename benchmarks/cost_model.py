@@ -10,7 +10,9 @@ default), the stages a user runs:
    target pass, Parquet shards). Throughput: the shards' tokens over their teacher + write seconds
    (:class:`pipelines.store.ShardRecord`), each actor's first shard left out when it has more (CUDA warm-up).
 2. **train, scorer-only** and 3. **train, distill** (:func:`pipelines.train.run`: Ray Train, FSDP2 and bf16 as the
-   config resolves them on GPUs; the train config has no activation-checkpointing switch, so none is used).
+   config resolves them on GPUs). Distillation on CUDA checkpoints its decoder layers' activations
+   (``train.activation_checkpointing``; without it Qwen3-4B at S = 16,384 ran out of memory on one 80 GB H100)
+   unless ``--no-activation-checkpointing``; ``--set train.activation_checkpointing=true`` applies it to both modes.
    Throughput: ``batch_size × S`` over the median ``step_s`` the workers logged to MLflow, the first
    ``--warmup-steps`` steps left out.
 4. **serving**: the trained scorer-only model loaded with :func:`kvpop.load_retrofitted`, the bounded prefill
@@ -232,14 +234,23 @@ def _step_seconds(cfg: PipelineConfig, run_id: str, warmup_steps: int) -> tuple[
     return timed, len(steps)
 
 
-def measure_train(cfg: PipelineConfig, mode: str, cuda: bool, warmup_steps: int) -> dict:
-    """One training run in ``mode`` under a fixed run name. A run that fails after its timed steps (a final
-    checkpoint or model that does not fit the disk, at 4B/8B distillation ~50 GB) still yields its step times,
-    with the error beside them; one that fails before them raises."""
+def activation_checkpointing(args, cfg: PipelineConfig, mode: str) -> bool:
+    """Whether the ``mode`` stage checkpoints its decoder layers' activations: distillation on CUDA unless
+    ``--no-activation-checkpointing``, any mode with ``--set train.activation_checkpointing=true``."""
+    return cfg.train.activation_checkpointing or (mode == "distill" and args.device == "cuda"
+                                                  and not args.no_activation_checkpointing)
+
+
+def measure_train(cfg: PipelineConfig, mode: str, cuda: bool, warmup_steps: int, checkpointing: bool = False) -> dict:
+    """One training run in ``mode`` under a fixed run name, its decoder layers' activations checkpointed with
+    ``checkpointing``. A run that fails after its timed steps (a final checkpoint or model that does not fit the disk,
+    at 4B/8B distillation ~50 GB) still yields its step times, with the error beside them; one that fails before them
+    raises."""
     from pipelines import tracking, train
 
     name = f"{cfg.name}-{mode}"
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mode=mode, run_name=name))
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, mode=mode, run_name=name,
+                                                             activation_checkpointing=checkpointing))
     t0 = time.perf_counter()
     error, model_dir = None, None
     with MemorySampler(cuda) as memory:
@@ -259,7 +270,8 @@ def measure_train(cfg: PipelineConfig, mode: str, cuda: bool, warmup_steps: int)
     return {"stage": f"train_{mode}", "tokens_per_s_per_gpu": tokens / step_s, "step_s": step_s,
             "timed_steps": len(timed), "tokens_per_step_per_gpu": tokens, "wall_s": wall,
             "strategy": cfg.train.resolved_strategy, "precision": cfg.train.resolved_precision,
-            "peak_gib": memory.peak_gib, "model_dir": model_dir, "mlflow_run_id": run_id,
+            "activation_checkpointing": checkpointing, "peak_gib": memory.peak_gib, "model_dir": model_dir,
+            "mlflow_run_id": run_id,
             **({"failed_after_steps": error} if error else {})}
 
 
@@ -371,6 +383,7 @@ def table(result: dict) -> str:
         note = (f"{s['timed_tokens']} tokens over {s['timed_seconds']:.2f} s of teacher + write; "
                 f"{s['bytes_per_token']:.0f} B of targets per token" if s["stage"] == "precompute" else
                 f"median step {s['step_s']:.3f} s over {s['timed_steps']} steps; {s['strategy']}, {s['precision']}"
+                + ("; activation checkpointing" if s.get("activation_checkpointing") else "")
                 + (f"; failed after its steps: {s['failed_after_steps']}" if "failed_after_steps" in s else ""))
         lines.append(f"| {s['stage']} | {s['tokens_per_s_per_gpu']:.1f} | {_fmt(s['peak_gib'], '.1f')} | "
                      f"{s['wall_s']:.1f} | {note} |")
@@ -427,6 +440,7 @@ def plan_lines(args, cfg: PipelineConfig, work: Path) -> list[str]:
             f"({targets_per_token * cfg.data.seq_len * cfg.data.num_sequences / 2**30:.2f} GiB in all)",
             *(f"train {mode}: {cfg.train.steps} steps × {cfg.train.batch_size} × {cfg.data.seq_len} tokens on "
               f"{cfg.train.num_workers} worker(s), {cfg.train.resolved_strategy}, {cfg.train.resolved_precision}"
+              + (", activation checkpointing" if activation_checkpointing(args, cfg, mode) else "")
               for mode in args.modes),
             *([f"distill: ~{params * 16 / 2**30:.0f} GiB of fp32 weights, gradients and AdamW state to shard over "
                f"the GPUs, and a final checkpoint (~{params * 12 / 2**30:.0f} GiB) and fp32 model "
@@ -477,7 +491,8 @@ def run(args) -> dict:
     for mode in args.modes:
         _progress(f"train_{mode}", f"{cfg.train.steps} steps")
         try:
-            measured = measure_train(cfg, mode, cuda, args.warmup_steps)
+            measured = measure_train(cfg, mode, cuda, args.warmup_steps,
+                                     activation_checkpointing(args, cfg, mode))
         except Exception as err:  # noqa: BLE001 - an out-of-memory distillation must not lose the other figures
             stages.append({"stage": f"train_{mode}", "error": _error_line(err)})
             _progress(f"train_{mode}", f"failed: {_error_line(err)}")
@@ -539,6 +554,8 @@ def parse(argv=None):
     parser.add_argument("--gpus", type=int, default=1, help="teacher actors and training workers (one GPU each)")
     parser.add_argument("--cpus-per-worker", type=int, default=0, help="0: 4 on CUDA, 1 on CPU")
     parser.add_argument("--modes", nargs="*", choices=TRAIN_MODES, default=list(TRAIN_MODES))
+    parser.add_argument("--no-activation-checkpointing", action="store_true",
+                        help="distill on CUDA without train.activation_checkpointing (every activation kept)")
     parser.add_argument("--contexts", type=int, nargs="*", default=[32768, 131072],
                         help="serving contexts (bounded prefill + decoding); none: skip serving")
     parser.add_argument("--prefill-chunk", type=int, default=2048)

@@ -176,6 +176,9 @@ class TrainConfig:
     cpus_per_worker: float = 2.0  # Ray CPUs per training worker (its torch threads); logical CPUs, see ray.num_cpus
     strategy: str = "auto"  # auto | fsdp | none; auto = FSDP2 (fully_shard per decoder layer) on GPUs or >1 worker
     precision: str = "auto"  # auto | fp32 | bf16; auto = bf16 compute on GPUs (fp32 master weights), fp32 on CPU
+    activation_checkpointing: bool = False  # each decoder layer of the student keeps only its inputs for the backward
+    #     and runs its forward again there (kvpop.sharding.checkpoint_layers), in either mode: the same loss and
+    #     gradients for about one more forward per step; what lets distillation at long S fit one GPU
     grad_clip: float = 1.0  # max global grad norm; 0 = off
     checkpoint_every: int = 10  # steps between torch.distributed.checkpoint saves (and the last step)
     max_failures: int = 1  # Ray Train FailureConfig: worker-group restarts from the last checkpoint
@@ -219,9 +222,9 @@ class TrainConfig:
                                              "extra_topks")
     # settings that do not change what is optimised: left out of the run-name hash so a restart resumes
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
-        "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "checkpoint_every",
-        "max_failures", "log_every", "targets", "fail_at_step", "run_name", "output_root", "eval_every",
-        "eval_sequences", "eval_recall_samples", "eval_heldout_sources")
+        "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "activation_checkpointing",
+        "checkpoint_every", "max_failures", "log_every", "targets", "fail_at_step", "run_name", "output_root",
+        "eval_every", "eval_sequences", "eval_recall_samples", "eval_heldout_sources")
     # settings that came after runs were first named: in the run-name hash only away from their default
     LATER: ClassVar[dict[str, Any]] = {"targets_source": "stored", "online_features": "student", "warmup_steps": 0,
                                        "schedule": "constant", "shuffle_seed": None, "allocation": ""}

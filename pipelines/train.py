@@ -14,9 +14,10 @@
 2. The **stable run name** (``train.run_name`` or ``<config name>-<what trains>-<mode>-<budget>-<hash>``, what trains
    the scorer, ``dms`` or ``streaming+`` (``train.policy``: :func:`objective_of`), the hash over
    the targets (an online run: the identity its targets would have) and every setting that changes the
-   optimisation — not over ``steps`` (unless the cosine schedule spans them), worker counts, precision, checkpoint
-   cadence or held-out evaluation, so that a restart, a longer run or a run on other hardware resumes; with
-   ``train.init_from``, its scorer weights' digest, not its path: :func:`pipelines.identity.init_identity`).
+   optimisation — not over ``steps`` (unless the cosine schedule spans them), worker counts, precision, activation
+   checkpointing, checkpoint cadence or held-out evaluation, so that a restart, a longer run or a run on other
+   hardware resumes; with ``train.init_from``, its scorer weights' digest, not its path:
+   :func:`pipelines.identity.init_identity`).
 3. **Train** unless the run's final model already holds ``train.steps`` steps: the MLflow run found by name (else a
    new one, the whole config as params) receives the workers' metric histories; a ``TorchTrainer`` named after the
    run (:func:`make_trainer`; workers run :func:`pipelines.train_worker.train_loop` with a
@@ -260,7 +261,8 @@ def make_spec(cfg: PipelineConfig, targets: TrainInputs, name: str, storage: Pat
         dms_temperature=t.dms_temperature,
         lr=t.lr, base_lr=t.base_lr, grad_clip=t.grad_clip, steps=t.steps, batch_size=t.batch_size,
         seq_len=cfg.data.seq_len, seed=cfg.data.seed, use_gpu=t.use_gpu, sharded=t.resolved_strategy == "fsdp",
-        bf16=t.resolved_precision == "bf16", threads=max(1, int(t.cpus_per_worker)),
+        bf16=t.resolved_precision == "bf16", activation_checkpointing=t.activation_checkpointing,
+        threads=max(1, int(t.cpus_per_worker)),
         checkpoint_every=t.checkpoint_every, log_every=t.log_every, fail_at_step=t.fail_at_step,
         tracking_uri=cfg.tracking_uri(), mlflow_run_id=mlflow_run_id, report_every_step=report_every_step,
         save_final=save_final, init_from=str(config_path(t.init_from).resolve()) if t.init_from else "",

@@ -3,9 +3,11 @@
 The driver (:mod:`pipelines.train`) decides everything and hands each worker one frozen :class:`TrainSpec`. A worker
 builds the student (:func:`build_student`: the base model in fp32 retrofitted with the spec's policy, its scorers
 loaded from ``spec.init_from`` when set, the base frozen in ``scorer_only`` mode:
-:func:`kvpop.parameters.trainable_parameters`), shards it with the FSDP2 plan
-(:func:`kvpop.sharding.shard`) when the spec says so, and runs ``spec.steps`` steps of the spec's objective on the
-batches of its dataset shard (:func:`batch_losses`). The policies (``train.policy``):
+:func:`kvpop.parameters.trainable_parameters`), checkpoints the activations of its decoder layers with
+``spec.activation_checkpointing`` (:func:`kvpop.sharding.checkpoint_layers`, either mode: the same loss and
+gradients in less memory), shards it with the FSDP2 plan (:func:`kvpop.sharding.shard`) when the spec says so, and
+runs ``spec.steps`` steps of the spec's objective on the batches of its dataset shard (:func:`batch_losses`). The
+policies (``train.policy``):
 
 * ``kvpop``: a scorer per layer, :class:`kvpop.objective.Objective`; in ``scorer_only`` mode the KL carries no
   gradient (it is still reported). Online (``spec.online``) the batch holds token ids only and
@@ -61,7 +63,7 @@ from kvpop.objective import DMSObjective, Objective, StreamingObjective, student
 from kvpop.online import dense_priorities, online_targets
 from kvpop.parameters import trainable_parameters
 from kvpop.pretrained import load_pretrained
-from kvpop.sharding import shard
+from kvpop.sharding import checkpoint_layers, shard
 from pipelines.config import config_from_dict
 from pipelines.heldout import METRICS as HELDOUT_METRICS, HeldoutEvaluator
 
@@ -112,6 +114,7 @@ class TrainSpec:
     eval_every: int = 0  # held-out evaluation every this many steps on rank 0 (pipelines.heldout); 0 = none
     eval_config: dict = field(default_factory=dict)  # the run's PipelineConfig as a dict, for that evaluation
     allocation: Allocation | None = None  # per-head budgets (train.allocation, METHOD §7); saved with the final model
+    activation_checkpointing: bool = False  # each decoder layer recomputed in the backward (kvpop.sharding)
 
     @property
     def budget(self) -> Budget:
@@ -316,10 +319,13 @@ def _resume(model, optimizer, spec: TrainSpec, rank: int, checkpoint) -> int:
 
 def start_student(spec: TrainSpec, device, rank: int = 0, checkpoint=None):
     """``(model, tokenizer, optimizer, trainable parameters, step)`` a worker starts training from: the student
-    (:func:`build_student`: its scorers from ``spec.init_from`` if set), sharded if the spec says so, a fresh AdamW,
-    then ``checkpoint`` (the run's own, a ``ray.train.Checkpoint``; None on a fresh run) restored over both — so a
-    resumed run continues its own weights, never ``init_from``'s — and the step it holds (0 if none)."""
+    (:func:`build_student`: its scorers from ``spec.init_from`` if set), its layers checkpointed, then sharded, as
+    the spec says, a fresh AdamW, then ``checkpoint`` (the run's own, a ``ray.train.Checkpoint``; None on a fresh run)
+    restored over both — so a resumed run continues its own weights, never ``init_from``'s — and the step it holds (0
+    if none)."""
     model, tokenizer = build_student(spec, device=device)
+    if spec.activation_checkpointing:
+        checkpoint_layers(model)
     if spec.sharded:
         shard(model, bf16=spec.bf16)
         if spec.online:

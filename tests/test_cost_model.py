@@ -78,6 +78,12 @@ def test_dry_plan_runs_nothing(capsys, tmp_path):
     assert cost_model.main(["--shape", "qwen3-8b", "--dry-plan", "--work", str(tmp_path / "work")]) == {}
     out = capsys.readouterr().out
     assert '"hidden_size": 4096' in out and "S = 16384" in out and "s4-w256-k3836" in out
+    lines = {line.split(":")[0]: line for line in out.splitlines()}
+    assert lines["train distill"].endswith(", activation checkpointing")  # on CUDA: what fits one GPU
+    assert not lines["train scorer_only"].endswith("activation checkpointing")
+    assert cost_model.main(["--shape", "qwen3-8b", "--dry-plan", "--no-activation-checkpointing",
+                            "--work", str(tmp_path / "work")]) == {}
+    assert "activation checkpointing" not in capsys.readouterr().out
     assert not (tmp_path / "work").exists()
 
 
@@ -107,7 +113,8 @@ def test_tiny_qwen3_4b_shape_runs_every_stage(ray_cluster, smollm2_dir, tmp_path
     result = cost_model.main(["--shape", "tiny-qwen3-4b", "--device", "cpu", "--seq-len", "256", "--steps", "3",
                               "--warmup-steps", "1", "--contexts", "384", "--prefill-chunk", "128",
                               "--decode-steps", "2", "--work", str(tmp_path / "work"), "--out", str(out),
-                              "--ledger", str(ledger_path)])
+                              "--ledger", str(ledger_path),
+                              "--set", "train.activation_checkpointing=true"])  # through Ray Train, both modes
     config = json.loads((tmp_path / "work" / "model" / "config.json").read_text())
     shape = cost_model.SHAPES["qwen3-4b"]
     assert config["model_type"] == "qwen3"
@@ -126,6 +133,7 @@ def test_tiny_qwen3_4b_shape_runs_every_stage(ray_cluster, smollm2_dir, tmp_path
     for mode in cost_model.TRAIN_MODES:
         s = stages[f"train_{mode}"]
         assert s["timed_steps"] == 2 and s["tokens_per_s_per_gpu"] == pytest.approx(256 / s["step_s"])
+        assert s["activation_checkpointing"] is True
     assert "failed_after_steps" not in stages["train_scorer_only"]
     assert "No space left" in stages["train_distill"]["failed_after_steps"]
     assert not (tmp_path / "work" / "home" / "runs" / "cost-tiny-qwen3-4b-distill").exists()  # its disk given back
@@ -146,6 +154,7 @@ def test_tiny_qwen3_4b_shape_runs_every_stage(ray_cluster, smollm2_dir, tmp_path
     assert saved["run_id"] == result["run_id"] and saved["commit"] == ledger.git_commit()
     markdown = out.with_suffix(".md").read_text()
     assert "failed after its steps: OSError: No space left on device" in markdown
+    assert "none, fp32; activation checkpointing" in markdown
     assert "| precompute + distill | 64 |" in markdown and "Reproduce: `python benchmarks/cost_model.py" in markdown
 
     (line,) = ledger.read(ledger_path)  # the shared publishing path: one ledger line, its id the MLflow run's

@@ -13,7 +13,7 @@ import kvpop
 from kvpop import Budget, checkpointing
 from kvpop.objective import Objective, student_forward
 from kvpop.parameters import trainable_parameters
-from kvpop.sharding import decoder_layers, shard
+from kvpop.sharding import checkpoint_layers, decoder_layers, shard
 from tests.models import tiny_model
 
 
@@ -60,6 +60,30 @@ def test_sharded_model_computes_what_the_plain_one_does(process_group, mode):
     sharded_grads = [p.grad.full_tensor() for p in params["scorers"]]
     for a, b in zip(plain_grads, sharded_grads):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["scorer_only", "distill"])
+def test_checkpointed_layers_compose_with_the_plan(process_group, mode):
+    """Activation checkpointing (:func:`checkpoint_layers`, then the plan): the sharded model's loss and gradients as
+    without it, and each layer replayed in the backward — in scorer-only mode too, where no gradient reaches a
+    layer's output and the replay itself must gather the layer's parameters. Names and state dict unchanged."""
+    plain, _ = _student(mode)
+    checkpointed = checkpoint_layers(copy.deepcopy(plain))
+    assert list(checkpointed.state_dict()) == list(plain.state_dict())
+    models = {"plain": shard(plain), "checkpointed": shard(checkpointed)}
+    calls = []
+    for layer in decoder_layers(checkpointed):
+        layer.self_attn.register_forward_pre_hook(lambda *_: calls.append(1))
+    grads = {}
+    for name, model in models.items():
+        params = trainable_parameters(model, mode)
+        loss = _loss(model, *_batch())
+        loss.backward()
+        grads[name] = [loss.detach(), *(p.grad.full_tensor() for p in params["scorers"] + params["base"])]
+    assert len(calls) == 2 * len(decoder_layers(checkpointed))
+    assert len(grads["checkpointed"]) == len(grads["plain"]) > 1
+    for got, want in zip(grads["checkpointed"], grads["plain"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
 def _optimizer(params):

@@ -9,15 +9,20 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import kvpop
+from kvpop.dms import CompressionSchedule
 from kvpop.files import sha256_file, tensors_digest
+from kvpop.objective import DMSObjective
+from kvpop.sharding import decoder_layers
 from pipelines import records, store, tracking, train
 from pipelines.config import ConfigError
-from pipelines.train_worker import TRAIN_MARKER, TrainSpec, batch_losses, build_student, write_final_model
+from pipelines.train_worker import (TRAIN_MARKER, TrainSpec, batch_losses, build_student, start_student,
+                                    write_final_model)
 from tests.pipeline_helpers import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -296,6 +301,50 @@ def test_the_final_model_stores_base_weights_only_when_they_trained(tmp_path, ti
     ids = torch.randint(1, 100, (1, 32))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, use_cache=False).logits, model(ids, use_cache=False).logits)
+
+
+def test_the_configs_activation_checkpointing_reaches_the_workers(tiny_setup, tmp_path):
+    stand_in = SimpleNamespace(identity={"teacher": {"weights_sha256": "0" * 64}})  # stored targets' identity
+    for value in (True, False):
+        cfg = tiny_config(tiny_setup, tmp_path, f"train.activation_checkpointing={str(value).lower()}")
+        assert train.make_spec(cfg, stand_in, "r", tmp_path, "").activation_checkpointing is value
+
+
+@pytest.mark.parametrize("policy, mode", [("kvpop", "distill"), ("kvpop", "scorer_only"), ("dms", "scorer_only")])
+def test_activation_checkpointing_gives_the_same_step_and_replays_every_layer(tmp_path, tiny_setup, policy, mode):
+    """``train.activation_checkpointing``: the worker's student (:func:`start_student`) gives the same loss and
+    gradients on one batch with its decoder layers checkpointed as without — the scorers' gradients of a frozen base
+    and DMS's noisy gates (the replay draws the same noise) included — and the backward runs each layer's attention
+    again."""
+    shutil.copytree(tiny_setup / "teacher", tmp_path / "base")
+    spec = _spec(tmp_path, mode)
+    if policy == "dms":
+        spec = dataclasses.replace(spec, policy="dms", scorer="dms", target_column="",
+                                   objective=DMSObjective(kvpop.Budget(2, 4, 0), CompressionSchedule(0.5, 2, 3)))
+    generator = torch.Generator().manual_seed(0)
+    values, indices = torch.randn(2, 32, 100, generator=generator).topk(8, dim=-1)
+    batch = {"input_ids": torch.randint(1, 100, (2, 32), generator=generator), "topk_values": values,
+             "topk_indices": indices, "targets_w4": torch.randn(2, 2, 2, 32, generator=generator)}  # [B, L, Hkv, S]
+    steps = {}
+    for checkpointed in (False, True):
+        model, *_ = start_student(dataclasses.replace(spec, activation_checkpointing=checkpointed), "cpu")
+        calls = []
+        for layer in decoder_layers(model):
+            layer.self_attn.register_forward_pre_hook(lambda *_: calls.append(1))  # a replay may stop inside it
+        torch.manual_seed(1)  # DMS's Gumbel noise: the same draws in both runs
+        parts = batch_losses(model, batch, spec, step=1)
+        assert len(calls) == 2  # one forward of each layer
+        parts["loss"].backward()
+        assert len(calls) == (4 if checkpointed else 2)  # checkpointed: each layer again in the backward
+        grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+        steps[checkpointed] = {k: v.detach() for k, v in parts.items()}, grads
+    (plain, plain_grads), (replayed, replayed_grads) = steps[False], steps[True]
+    assert plain.keys() == replayed.keys() and all(torch.equal(plain[k], replayed[k]) for k in plain)
+    trained = {n for n in plain_grads if mode == "distill" or ".kvpop_scorer." in n}
+    assert replayed_grads.keys() == plain_grads.keys() == trained and trained
+    for name, grad in plain_grads.items():
+        assert grad.abs().max() > 0, name
+        torch.testing.assert_close(replayed_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_the_workers_must_leave_ray_data_a_cpu(monkeypatch):

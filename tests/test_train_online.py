@@ -141,6 +141,7 @@ def test_new_train_keys_enter_the_run_identity_only_away_from_their_defaults(tin
     evaluated = dataclasses.replace(base.train, eval_every=5, eval_sequences=1, eval_recall_samples=2,
                                     eval_heldout_sources=True)
     assert evaluated.optimisation() == before  # evaluation is operational: the same run
+    assert dataclasses.replace(base.train, activation_checkpointing=True).optimisation() == before  # memory, not math
     stand_in = SimpleNamespace(key="TARGETS", identity={})  # the inputs' key, as tests/test_records.py names runs
     plain = tiny_config(tiny_setup, tmp_path, "train.eval_every=2", "eval.heldout_sources=[stdlib]")
     both = tiny_config(tiny_setup, tmp_path, "train.eval_every=2", "eval.heldout_sources=[stdlib]",
@@ -158,6 +159,7 @@ def test_new_train_keys_enter_the_run_identity_only_away_from_their_defaults(tin
     (["train.online_features=dense"], "train.online_features=dense reads the step's own dense pass"),
     (["train.targets_source=online", "train.online_features=sparse"], "train.online_features must be one of"),
     (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
+    (["train.activation_checkpointing=3"], "train.activation_checkpointing: expected true/false, got 3"),
     (["train.eval_every=2", "train.eval_sequences=3"], "train.eval_sequences=3 is more than the data stage's 2"),
     (["train.eval_every=2", "train.policy=streaming", "train.mode=distill"], "train.eval_every evaluates the scorers"),
     (["train.eval_every=2", "train.eval_heldout_sources=true"], "train.eval_heldout_sources evaluates the "
