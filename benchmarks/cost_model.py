@@ -13,6 +13,8 @@ default), the stages a user runs:
    config resolves them on GPUs). Distillation on CUDA checkpoints its decoder layers' activations
    (``train.activation_checkpointing``; without it Qwen3-4B at S = 16,384 ran out of memory on one 80 GB H100)
    unless ``--no-activation-checkpointing``; ``--set train.activation_checkpointing=true`` applies it to both modes.
+   A distillation whose fp32 weights, gradients and AdamW state (16 B a parameter, sharded over ``--gpus``) exceed
+   one GPU is not run: its row says how many GPUs it needs (:func:`distill_memory_short`).
    Throughput: ``batch_size × S`` over the median ``step_s`` the workers logged to MLflow, the first
    ``--warmup-steps`` steps left out.
 4. **serving**: the trained scorer-only model loaded with :func:`kvpop.load_retrofitted`, the bounded prefill
@@ -453,6 +455,23 @@ def plan_lines(args, cfg: PipelineConfig, work: Path) -> list[str]:
                           f"an MLflow run and a line of {args.ledger} (pipelines.ledger.publish_file)")]
 
 
+def distill_memory_short(args, mode: str, cuda: bool) -> str:
+    """Why distillation cannot fit ``args.gpus`` GPUs, or "": its fp32 weights, gradients and AdamW state (16 B a
+    parameter, sharded evenly by FSDP2) alone exceed one GPU's memory, before any activation."""
+    if mode != "distill" or not cuda:
+        return ""
+    import torch
+
+    state = parameter_count(SHAPES[args.shape]) * 16
+    memory = torch.cuda.get_device_properties(0).total_memory
+    per_gpu = state / args.gpus
+    if per_gpu <= memory:
+        return ""
+    needed = -(-state // memory)
+    return (f"fp32 weights, gradients and AdamW state {per_gpu / 2**30:.0f} GiB per GPU > the GPU's "
+            f"{memory / 2**30:.0f} GiB: needs --gpus >= {needed} (FSDP2 shards them), not run on {args.gpus}")
+
+
 def run(args) -> dict:
     import torch
 
@@ -490,6 +509,11 @@ def run(args) -> dict:
     scorer_model = None
     for mode in args.modes:
         _progress(f"train_{mode}", f"{cfg.train.steps} steps")
+        short = distill_memory_short(args, mode, cuda)
+        if short:  # an out-of-memory run that would only cost the GPU minutes it takes to fail
+            stages.append({"stage": f"train_{mode}", "error": short})
+            _progress(f"train_{mode}", f"not run: {short}")
+            continue
         try:
             measured = measure_train(cfg, mode, cuda, args.warmup_steps,
                                      activation_checkpointing(args, cfg, mode))

@@ -43,6 +43,23 @@ def _check_pipelines(rows, pipelines):
         assert by[(p["bounded_by"], p["gpus"])]["hours"] == max(x["hours"] for x in parts)
 
 
+def test_a_distillation_whose_optimiser_state_cannot_fit_is_not_run(monkeypatch):
+    """16 B a parameter (fp32 weights, gradients, AdamW's two moments), FSDP2-sharded over the GPUs: Qwen3-8B's
+    ~122 GiB exceed one 80 GB GPU (a row says how many it needs), Qwen3-4B's ~60 GiB do not; CPU checks nothing."""
+    import argparse
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=79 << 30))
+    short = cost_model.distill_memory_short
+    assert "needs --gpus >= 2" in short(argparse.Namespace(shape="qwen3-8b", gpus=1), "distill", True)
+    assert short(argparse.Namespace(shape="qwen3-8b", gpus=2), "distill", True) == ""
+    assert short(argparse.Namespace(shape="qwen3-4b", gpus=1), "distill", True) == ""
+    assert short(argparse.Namespace(shape="qwen3-8b", gpus=1), "scorer_only", True) == ""
+    assert short(argparse.Namespace(shape="qwen3-8b", gpus=1), "distill", False) == ""
+
+
 def test_a_pipeline_with_a_failed_stage_has_no_total():
     rows = cost_model.gpu_hours({"precompute": 10.0, "train_scorer_only": 5.0}, 1e6)
     assert {p["pipeline"] for p in cost_model.pipelines_cost(rows)} == {"precompute + scorer_only"}
