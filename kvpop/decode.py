@@ -81,8 +81,8 @@ class ChunkGraph:
     a cache returned by an earlier prefill is never touched. Anything else the forward reads is baked into the
     graph, so the key holds the model's parameters' storage, the policy, the oracle's targets and whether the
     bookkeeping is compiled: changing any of them (``set_policy``, a new ``oracle_priorities`` block, reassigned
-    weights) recaptures. Holds one cache's
-    state and the graph's memory pool until :meth:`release` or garbage collection."""
+    weights) recaptures. Holds one cache's state and the graph's memory pool until :meth:`release` or garbage
+    collection."""
 
     def __init__(self):
         self.key = self.cache = self.decoder = self.held = None
