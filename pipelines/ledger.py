@@ -20,7 +20,8 @@ line themselves (:func:`publish_file`); the evaluation stage logs to MLflow only
     params     {name: str | int | float | bool | null}
     metrics    {key: {"value": v, "lo": l, "hi": h, "n": n}}: lo/hi the 95 % interval where one exists, n the items
     tags       {name: str}: provenance; "commit" and "produced_by" required, and where known "config_hash",
-               "data_digest", "weights_digest", "device", "dtype" (free-form others: "source", "headline", …)
+               "data_digest", "weights_digest", "device", "dtype", "start_time" / "end_time" (when it ran, UTC,
+               "2026-12-07T16:34:12Z": an imported MLflow run starts and ends then) (free-form others: "source", …)
     artifacts  [{"name", "path", "sha256", "size"}]: files the run produced that stay tracked (results/artifacts/)
 
 Metric keys use only ``A-Z a-z 0-9 _ . - / :`` (MLflow's alphabet) and never end in ``.lo``, ``.hi`` or ``.n`` (the
@@ -36,6 +37,7 @@ the line number, a line that is not JSON, a missing or unknown key, a bad kind, 
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import io
 import json
@@ -44,6 +46,7 @@ import os
 import re
 import subprocess
 import tarfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +67,24 @@ README = ROOT / "README.md"
 NOTEBOOK_COMMIT = "f14922b5f5e3a262710ca16a3ff3b5e39863e2db"
 KINDS = ("evaluation", "benchmark", "training", "study")
 PROVENANCE = ("commit", "config_hash", "data_digest", "weights_digest", "device", "dtype", "produced_by")
+RUN_TIMES = ("start_time", "end_time")  # tags: when a run ran, as MLflow shows it (not rendered)
+_TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
+
+
+def utc_text(epoch_ms: int | float | None) -> str | None:
+    """``epoch_ms`` (MLflow's run times) as a ledger time tag; None stays None."""
+    if epoch_ms is None:
+        return None
+    return datetime.datetime.fromtimestamp(epoch_ms / 1000, datetime.timezone.utc).strftime(_TIME_FORMAT)
+
+
+def epoch_ms(text: str | None) -> int | None:
+    """A ledger time tag as MLflow's epoch milliseconds; None (absent, or not a time) stays None."""
+    try:
+        moment = datetime.datetime.strptime(text or "", _TIME_FORMAT)
+    except ValueError:
+        return None
+    return int(moment.replace(tzinfo=datetime.timezone.utc).timestamp() * 1000)
 REQUIRED_TAGS = ("commit", "produced_by")
 KEYS = ("run_id", "name", "kind", "params", "metrics", "tags", "artifacts")
 INTERVAL_SUFFIXES = (".lo", ".hi", ".n")
@@ -991,9 +1012,10 @@ def import_runs(runs: list[Run], cfg) -> list[Run]:
         if run.run_id in have:
             continue
         params, metrics, tags = _mlflow_payload(run)
-        new = client.create_run(experiment_id, run_name=run.name, start_time=0)
+        start, end = (epoch_ms(run.tags.get(tag)) for tag in RUN_TIMES)  # a line without them: 0, unknown
+        new = client.create_run(experiment_id, run_name=run.name, start_time=start or 0)
         _log_batches(client, new.info.run_id, params, metrics, tags)
-        client.set_terminated(new.info.run_id, "FINISHED", end_time=0)
+        client.set_terminated(new.info.run_id, "FINISHED", end_time=end or start or 0)
         done.append(run)
     return done
 
@@ -1093,6 +1115,9 @@ def export_runs(cfg, known: set[str], skipped: list | None = None) -> list[Run]:
             kind = _STAGE_KIND.get(stage, "study")
             own.setdefault("commit", tags.get(tracking.COMMIT_TAG, ""))
             own.setdefault("produced_by", f"pipelines/{stage}.py" if stage in ("evaluate", "train") else stage)
+            for tag, value in zip(RUN_TIMES, (r.info.start_time, r.info.end_time)):
+                if value:
+                    own.setdefault(tag, utc_text(value))
             if stage == "evaluate":
                 metrics = _native_cells(metrics, params)
         if not own.get("commit"):
@@ -1113,6 +1138,7 @@ def publish(name: str, kind: str, params: dict, metrics: dict, tags: dict, files
     installed (a bare GPU machine) the ledger line alone is written, with a random ledger id: the ledger travels
     back in git and ``jobs.results import`` loads it into MLflow later. The one helper every product benchmark
     calls."""
+    tags = {"end_time": utc_text(time.time() * 1000), **tags}  # now, unless the caller knows better
     run = make_run(uuid.uuid4().hex, name, kind, params, metrics, tags)
     try:
         import mlflow
@@ -1122,7 +1148,8 @@ def publish(name: str, kind: str, params: dict, metrics: dict, tags: dict, files
     cfg = PipelineConfig(tracking=TrackingConfig(uri=tracking_uri or "", experiment=experiment))
     experiment_id = tracking.setup(cfg)
     client = mlflow.MlflowClient(cfg.tracking_uri())
-    created = client.create_run(experiment_id, run_name=name)
+    start, end = (epoch_ms(tags.get(tag)) for tag in RUN_TIMES)
+    created = client.create_run(experiment_id, run_name=name, start_time=start)
     run = make_run(created.info.run_id, name, kind, params, metrics, tags)
     params_, metrics_, tags_ = _mlflow_payload(run)
     tags_ = [t for t in tags_ if t.key != _RESERVED["ledger_id"]]  # MLflow's own id is the ledger's
@@ -1130,7 +1157,7 @@ def publish(name: str, kind: str, params: dict, metrics: dict, tags: dict, files
     for path in files:
         if Path(path).exists():
             client.log_artifact(run.run_id, str(path), "result")
-    client.set_terminated(run.run_id, "FINISHED")
+    client.set_terminated(run.run_id, "FINISHED", end_time=end)
     return append([run], ledger)[0]
 
 
@@ -1145,6 +1172,8 @@ def publish_result(producer: str, tag: str, result: dict, files: Iterable[Path] 
     script = "precompute_gpu" if producer == "precompute" else producer
     tags = provenance(config=config, data_digest=data_digest, weights_digest=weights_digest,
                       device=result.get("device"), dtype=result.get("dtype"), produced_by=f"benchmarks/{script}.py")
+    if isinstance(result.get("seconds"), (int, float)):  # the benchmark's own duration: when it started
+        tags["start_time"] = utc_text((time.time() - result["seconds"]) * 1000)
     return publish(f"{producer}/{_slug(tag)}", "benchmark", params, metrics, tags, files, ledger=ledger)
 
 

@@ -430,6 +430,42 @@ def test_import_export_round_trip_and_publish(ledger, tmp_path):
     assert [f.path for f in client.list_artifacts(published.run_id, "result")] == ["result/capacity_t.json"]
 
 
+def test_a_run_keeps_when_it_ran_through_the_ledger(tmp_path):
+    """MLflow shows when a run ran: a native run's start and end leave with it as tags (UTC, to the second), an
+    imported line starts and ends then again; a line without them imports as before; a benchmark's line starts
+    its own duration before it was published."""
+    import mlflow
+
+    cfg = load_config(None, [f"tracking.uri=sqlite:///{tmp_path}/mlflow.db", f"home={tmp_path}/home"])
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    experiment = client.get_experiment_by_name(cfg.tracking.experiment) or client.get_experiment(
+        client.create_experiment(cfg.tracking.experiment))
+    start, end = 1796659200000, 1796659260000  # 2026-12-07T16:00:00Z, a minute later
+    native = client.create_run(experiment.experiment_id, run_name="train-x", start_time=start,
+                               tags={"kvpop.stage": "train", "mlflow.source.git.commit": "abcdef1234"})
+    client.log_metric(native.info.run_id, "loss", 0.3)
+    client.set_terminated(native.info.run_id, end_time=end)
+    (line,) = L.export_runs(cfg, set())
+    assert (line.tags["start_time"], line.tags["end_time"]) == ("2026-12-07T16:00:00Z", "2026-12-07T16:01:00Z")
+
+    other = load_config(None, [f"tracking.uri=sqlite:///{tmp_path}/other.db", f"home={tmp_path}/home"])
+    untimed = L.make_run("b" * 32, "capacity/u", "benchmark", {}, {"m/x/y": 1.0},
+                         {"commit": "abcdef1", "produced_by": "benchmarks/capacity.py"})
+    assert len(L.import_runs([line, untimed], other)) == 2
+    back = mlflow.MlflowClient(other.tracking_uri())
+    runs = {r.data.tags["kvpop.ledger_id"]: r.info for r in back.search_runs(
+        [back.get_experiment_by_name(other.tracking.experiment).experiment_id])}
+    assert (runs[line.run_id].start_time, runs[line.run_id].end_time) == (start, end)
+    assert L.epoch_ms(None) is None and L.epoch_ms("not a time") is None and L.utc_text(None) is None
+
+    ledger = tmp_path / "ledger.jsonl"
+    ledger.write_text("")
+    published = L.publish_result("capacity", "t", {"rows": [], "prefill": [], "seconds": 3600.0}, config={},
+                                 ledger=ledger)
+    began, ended = (L.epoch_ms(published.tags[tag]) for tag in L.RUN_TIMES)
+    assert 3599e3 <= ended - began <= 3601e3
+
+
 def test_a_stage_run_made_with_the_client_carries_the_commit_that_export_needs(tmp_path, monkeypatch):
     """The train stage creates its run with MlflowClient (safe in Ray actors), which tags no git commit by itself:
     without one, export would leave the run out of the ledger."""
