@@ -69,22 +69,6 @@ KINDS = ("evaluation", "benchmark", "training", "study")
 PROVENANCE = ("commit", "config_hash", "data_digest", "weights_digest", "device", "dtype", "produced_by")
 RUN_TIMES = ("start_time", "end_time")  # tags: when a run ran, as MLflow shows it (not rendered)
 _TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"
-
-
-def utc_text(epoch_ms: int | float | None) -> str | None:
-    """``epoch_ms`` (MLflow's run times) as a ledger time tag; None stays None."""
-    if epoch_ms is None:
-        return None
-    return datetime.datetime.fromtimestamp(epoch_ms / 1000, datetime.timezone.utc).strftime(_TIME_FORMAT)
-
-
-def epoch_ms(text: str | None) -> int | None:
-    """A ledger time tag as MLflow's epoch milliseconds; None (absent, or not a time) stays None."""
-    try:
-        moment = datetime.datetime.strptime(text or "", _TIME_FORMAT)
-    except ValueError:
-        return None
-    return int(moment.replace(tzinfo=datetime.timezone.utc).timestamp() * 1000)
 REQUIRED_TAGS = ("commit", "produced_by")
 KEYS = ("run_id", "name", "kind", "params", "metrics", "tags", "artifacts")
 INTERVAL_SUFFIXES = (".lo", ".hi", ".n")
@@ -150,6 +134,22 @@ class Run:
 
     def to_line(self) -> str:
         return json.dumps(self.to_dict(), ensure_ascii=False, allow_nan=False, separators=(", ", ": "))
+
+
+def utc_text(ms: int | float | None) -> str | None:
+    """Epoch milliseconds (MLflow's run times) as a ledger time tag; None stays None."""
+    if ms is None:
+        return None
+    return datetime.datetime.fromtimestamp(ms / 1000, datetime.timezone.utc).strftime(_TIME_FORMAT)
+
+
+def epoch_ms(text: str | None) -> int | None:
+    """A ledger time tag as MLflow's epoch milliseconds; None (absent, or not a time) stays None."""
+    try:
+        moment = datetime.datetime.strptime(text or "", _TIME_FORMAT)
+    except ValueError:
+        return None
+    return int(moment.replace(tzinfo=datetime.timezone.utc).timestamp() * 1000)
 
 
 def _number(value, what: str) -> float:
