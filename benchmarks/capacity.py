@@ -200,24 +200,31 @@ NO_KERNEL = {"alias", "as_strided", "as_strided_", "chunk", "contiguous", "detac
              "_unsafe_view", "view", "view_as"}
 
 
+def profiled(call, device, rows: int):
+    """``(profiler, sort key, table)`` of one ``call()``: its top ``rows`` kernels by their own device time (CPU:
+    operator time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        call()
+        _sync(device)
+    events = prof.key_averages()
+    sort = next((key for key in ("self_device_time_total", "self_cuda_time_total")
+                 if device.type == "cuda" and events and hasattr(events[0], key)), "self_cpu_time_total")
+    return prof, sort, events.table(sort_by=sort, row_limit=rows)
+
+
 def profile_step(step, device) -> tuple[int, str]:
     """``(kernels, table)`` of one call of ``step`` after a call outside the profile (a compiled step compiles and
     autotunes there, not in the count): the kernels it launches — on CUDA as the profiler sees them; on CPU, the
     outermost aten operators that compute (looking through views and conversions to what they call), ~ what would
     launch on a GPU — and the profiler's table of its top kernels by their own device time (CPU: operator time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.no_grad():
         step()
         _sync(device)
-        with profile(activities=activities) as prof:
-            step()
-            _sync(device)
+        prof, _, table = profiled(step, device, rows=25)
     events = prof.events()
-    averages = prof.key_averages()
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    table = averages.table(sort_by=sort, row_limit=25)
     if device.type == "cuda":
         return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA), table
 
@@ -496,8 +503,7 @@ def prefill_table(model, name, args, policies, device, result, out, deadline) ->
             _emit(result, out, {**head, "error": "out of memory"}, "prefill")
             continue
         except Exception as err:  # noqa: BLE001 - recorded as the row; the other rows still run
-            message = (str(err).strip().splitlines() or [""])[0][:200]
-            _emit(result, out, {**head, "error": f"{type(err).__name__}: {message}"}, "prefill")
+            _emit(result, out, {**head, "error": error_line(err)}, "prefill")
             continue
         speed = rows * context / seconds
         row = {**head, "prefill_s": seconds, "tokens_per_s": speed, "peak_gib": peak, "warmup_s": warmup}
@@ -515,24 +521,15 @@ def prefill_table(model, name, args, policies, device, result, out, deadline) ->
 def profile_prefill(model, name, args, device, path: Path) -> None:
     """Append to ``path`` a torch.profiler table of the top kernels (by their own device time; CPU: operator time)
     of one KVpop prefill (the first budget, ``prefill_chunk``, one row at ``sweep_context``) and of dense's."""
-    from torch.profiler import ProfilerActivity, profile
-
     context, chunk, budget = args["sweep_context"], args["prefill_chunk"], args["budgets"][0]
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     for policy in ("kvpop", "dense"):
         set_policy(model, args, policy, budget)
         ids = torch.randint(0, model.config.vocab_size, (1, context), device=device)
         run_prefill(model, policy, ids[:, :min(context, 2 * chunk)], chunk)  # its compiled shapes, outside the profile
         _sync(device)
-        with profile(activities=activities) as prof:
-            run_prefill(model, policy, ids, chunk)
-            _sync(device)
-        events = prof.key_averages()
-        sort = next((key for key in ("self_device_time_total", "self_cuda_time_total")
-                     if device.type == "cuda" and events and hasattr(events[0], key)), "self_cpu_time_total")
+        _, sort, table = profiled(lambda: run_prefill(model, policy, ids, chunk), device, rows=30)
         label = "dense" if policy == "dense" else f"kvpop-B{budget}, chunk {chunk}"
-        append_profile(path, f"{name} {label} prefill, context {context}, one row (sorted by {sort})",
-                       events.table(sort_by=sort, row_limit=30))
+        append_profile(path, f"{name} {label} prefill, context {context}, one row (sorted by {sort})", table)
     print(f"# profile of {name}'s prefill appended to {path}", flush=True)
 
 
@@ -571,11 +568,15 @@ def run_config(model, name, policy, context, budget, args, device, bandwidth, re
             stage = f"batch {smaller}"
             _emit(result, out, config.row(**config.decode(smaller)))
     except Exception as err:  # noqa: BLE001 - recorded, see the docstring
-        message = (str(err).strip().splitlines() or [""])[0][:200]
-        _emit(result, out, config.row(error=f"{stage}: {type(err).__name__}: {message}"))
+        _emit(result, out, config.row(error=f"{stage}: {error_line(err)}"))
     finally:
         config.cache = None
         _oom_cleanup(device)
+
+
+def error_line(err: Exception) -> str:
+    """A row's error: the exception's type and the first line of its message."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
 
 
 def _emit(result, out, row, table="rows"):

@@ -444,9 +444,9 @@ def plan_lines(args, cfg: PipelineConfig, work: Path) -> list[str]:
               f"{cfg.train.num_workers} worker(s), {cfg.train.resolved_strategy}, {cfg.train.resolved_precision}"
               + (", activation checkpointing" if activation_checkpointing(args, cfg, mode) else "")
               for mode in args.modes),
-            *([f"distill: ~{params * 16 / 2**30:.0f} GiB of fp32 weights, gradients and AdamW state to shard over "
-               f"the GPUs, and a final checkpoint (~{params * 12 / 2**30:.0f} GiB) and fp32 model "
-               f"(~{params * 4 / 2**30:.0f} GiB) on disk"] if "distill" in args.modes else []),
+            *([f"distill: ~{optimiser_state_bytes(args.shape) / 2**30:.0f} GiB of fp32 weights, gradients and AdamW "
+               f"state to shard over the GPUs, and a final checkpoint (~{params * 12 / 2**30:.0f} GiB) and fp32 "
+               f"model (~{params * 4 / 2**30:.0f} GiB) on disk"] if "distill" in args.modes else []),
             f"serving: bounded prefill (chunk {args.prefill_chunk}) + {args.decode_steps} decoding steps at "
             f"{args.contexts or 'no contexts'}",
             f"GPU-hours for {args.tokens:.3g} tokens on {list(GPU_COUNTS)} GPUs, efficiency {args.efficiency:g}",
@@ -455,14 +455,20 @@ def plan_lines(args, cfg: PipelineConfig, work: Path) -> list[str]:
                           f"an MLflow run and a line of {args.ledger} (pipelines.ledger.publish_file)")]
 
 
+def optimiser_state_bytes(shape: str) -> int:
+    """What distilling ``shape`` holds before any activation: fp32 weights, gradients and AdamW's two moments, 16 B
+    a parameter (FSDP2 shards them evenly over the GPUs)."""
+    return parameter_count(SHAPES[shape]) * 16
+
+
 def distill_memory_short(args, mode: str, cuda: bool) -> str:
-    """Why distillation cannot fit ``args.gpus`` GPUs, or "": its fp32 weights, gradients and AdamW state (16 B a
-    parameter, sharded evenly by FSDP2) alone exceed one GPU's memory, before any activation."""
+    """Why distillation cannot fit ``args.gpus`` GPUs, or "": its :func:`optimiser_state_bytes` alone exceed one
+    GPU's memory."""
     if mode != "distill" or not cuda:
         return ""
     import torch
 
-    state = parameter_count(SHAPES[args.shape]) * 16
+    state = optimiser_state_bytes(args.shape)
     memory = torch.cuda.get_device_properties(0).total_memory
     per_gpu = state / args.gpus
     if per_gpu <= memory:

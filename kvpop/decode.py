@@ -228,21 +228,18 @@ class GraphedDecoder:
         self.keep = {} if logits_to_keep is None else {"logits_to_keep": logits_to_keep}
         self.graph = None
 
-    def _tensors(self):
-        return cache_tensors(self.cache)
-
     def _forward(self):
         return self.model(input_ids=self.ids, position_ids=self.pos, use_cache=True, **{CACHE_KWARG: self.cache},
                           **self.keep).logits
 
     def _capture(self):
-        saved = [t.clone() for t in self._tensors()] if self.snapshot else None
+        saved = [t.clone() for t in cache_tensors(self.cache)] if self.snapshot else None
         width = self.ids.shape[1]
         columns = [layer.columns + (0 if self.snapshot else self.warmup * width) for layer in self.cache.layers]
         full = [layer.is_initialized and layer._filled() for layer in self.cache.layers]  # as the cache is now
 
         def restore():
-            for tensor, copy in zip(self._tensors(), saved or []):
+            for tensor, copy in zip(cache_tensors(self.cache), saved or []):
                 tensor.copy_(copy)
             for layer, flag in zip(self.cache.layers, full if self.snapshot else []):
                 layer.full = flag
