@@ -143,14 +143,14 @@ def test_a_crash_point_kills_the_process_only_when_armed(armed):
 
 
 
-# configs/recipes/smollm2_kvpop.yaml's keys and run names as they were before per-head budgets existed (computed on
-# main at 7d28dfa): a GPU run of the recipe resumes across sessions by them, so the settings added since
+# configs/recipes/smollm2_kvpop.yaml's keys and run names since its cosine schedule (the earlier, constant-lr keys held
+# from 7d28dfa to 0777c6e): a GPU run of the recipe resumes across sessions by them, so settings added later
 # (train.allocation, eval.allocated, …) must leave them alone at their defaults
 RECIPE_KEYS = {
-    "champ": {"precompute": "f8f4246753d73545", "train": "2ea126ca9396a22c", "evaluate": "43911efde2d37f0f",
-              "run_name": "smollm2-kvpop-champ-mlstm-scorer_only-s4-w256-k252-3d2e65ffcd"},
-    "kernel": {"precompute": "3411abbbc99c8b07", "train": "e13bcca9edb25bc2", "evaluate": "fa6d993517842e78",
-               "run_name": "smollm2-kvpop-kernel-mlstm-scorer_only-s4-w256-k252-e1b1208489"}}
+    "champ": {"precompute": "f8f4246753d73545", "train": "03f03a533cd52b9a", "evaluate": "0ba6e3d91a5f1b87",
+              "run_name": "smollm2-kvpop-champ-mlstm-scorer_only-s4-w256-k252-574651cc69"},
+    "kernel": {"precompute": "3411abbbc99c8b07", "train": "e6e0c12d08fbd7f0", "evaluate": "63a5619410f06d04",
+               "run_name": "smollm2-kvpop-kernel-mlstm-scorer_only-s4-w256-k252-ffa4f7f92a"}}
 
 
 def test_the_recipes_keys_do_not_move_with_settings_left_at_their_default(tmp_path, monkeypatch):
