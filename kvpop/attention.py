@@ -53,21 +53,63 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+def compile_errors() -> tuple[type[Exception], ...]:
+    """What a ``torch.compile`` call raises when inductor cannot lower a graph (a compiler bug at some shapes)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
+
+    return BackendCompilerFailed, InductorError
+
+
 _FLEX_SHAPES: set = set()
 FLEX_SHAPES_WARNING = 32  # distinct compiled shapes in one process past which a caller is compiling per call
+# shapes whose compiled flex failed: "flex" retries with FORCE_USE_FLEX_ATTENTION (the main kernel, not the
+# short-query flex-decoding one an H100 failed to lower: fp32, head_dim 16, 90 queries); "eager" after that failed too
+_FLEX_FALLBACK: dict[tuple, str] = {}
 
 
 def flex(query, key, value, **kwargs):
     """Compiled FlexAttention on CUDA (one compiled callable per process); eager on CPU (small S only). Warns once
-    when a process has compiled more than ``FLEX_SHAPES_WARNING`` shapes (see :data:`CHUNK_BACKEND`)."""
-    if query.is_cuda:
-        _FLEX_SHAPES.add((tuple(query.shape), tuple(key.shape)))
-        if len(_FLEX_SHAPES) == FLEX_SHAPES_WARNING + 1:
-            warnings.warn(f"FlexAttention has been compiled for {len(_FLEX_SHAPES)} shapes in this process (one kernel "
-                          f"each, seconds on CUDA): a caller whose shapes change per call should use the "
-                          f"{CHUNK_BACKEND!r} backend", stacklevel=2)
-        return _compiled_flex()(query, key, value, **kwargs)
-    return flex_attention(query, key, value, **kwargs)
+    when a process has compiled more than ``FLEX_SHAPES_WARNING`` shapes (see :data:`CHUNK_BACKEND`). A shape that
+    inductor fails to lower is retried on the main flex kernel, then eagerly (its math path, exact but S×S in
+    memory), each with one warning; the same result either way."""
+    if not query.is_cuda:
+        return flex_attention(query, key, value, **kwargs)
+    shape = (tuple(query.shape), tuple(key.shape))
+    _FLEX_SHAPES.add(shape)
+    if len(_FLEX_SHAPES) == FLEX_SHAPES_WARNING + 1:
+        warnings.warn(f"FlexAttention has been compiled for {len(_FLEX_SHAPES)} shapes in this process (one kernel "
+                      f"each, seconds on CUDA): a caller whose shapes change per call should use the "
+                      f"{CHUNK_BACKEND!r} backend", stacklevel=2)
+    return _compiled_flex_or_fallback(shape, query, key, value, **kwargs)
+
+
+def _compiled_flex_or_fallback(shape: tuple, query, key, value, **kwargs):
+    """:func:`flex`'s compiled call and its fallbacks for a ``shape`` inductor fails to lower (any device: tests
+    exercise it on CPU with a failing stand-in for the compiled callable)."""
+    route = _FLEX_FALLBACK.get(shape)
+    options = dict(kwargs.pop("kernel_options", None) or {})
+    if route is None:
+        try:
+            return _compiled_flex()(query, key, value, kernel_options=options or None, **kwargs)
+        except compile_errors() as err:
+            route = _FLEX_FALLBACK[shape] = "eager" if "BACKEND" in options else "flex"
+            _warn_flex_fallback(shape, err, route)
+    if route == "flex":
+        try:
+            return _compiled_flex()(query, key, value, kernel_options={**options, "FORCE_USE_FLEX_ATTENTION": True},
+                                    **kwargs)
+        except compile_errors() as err:
+            _FLEX_FALLBACK[shape] = "eager"
+            _warn_flex_fallback(shape, err, "eager")
+    return flex_attention(query, key, value, kernel_options=options or None, **kwargs)
+
+
+def _warn_flex_fallback(shape: tuple, err: Exception, route: str) -> None:
+    line = (str(err).strip().splitlines() or [""])[0][:200]
+    then = "the main flex kernel" if route == "flex" else "eager flex_attention (its math path)"
+    warnings.warn(f"torch.compile of FlexAttention failed at query/key shapes {shape} ({type(err).__name__}: {line}); "
+                  f"running {then} for them", RuntimeWarning, stacklevel=4)
 
 
 def _contiguous_mask_mod(kv_evict, sink: int, window: int, group: int):

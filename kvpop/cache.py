@@ -65,8 +65,8 @@ from packaging.version import Version
 from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpop.attention import (candidate_attention, explicit_attention, raise_recompile_limits, retention_block_indices,
-                             slot_attention)
+from kvpop.attention import (candidate_attention, compile_errors, explicit_attention, raise_recompile_limits,
+                             retention_block_indices, slot_attention)
 from kvpop.policies.base import LayerView, Policy
 from kvpop.retention import anchored_eviction_positions, ranks_newer_wins, retained
 
@@ -402,13 +402,6 @@ def finish_static_chunk(keys, values, slot_pos, slot_prio, slot_anchor, cand: Ca
                      budget.window)
 
 
-def _compile_errors() -> tuple[type[Exception], ...]:
-    from torch._dynamo.exc import BackendCompilerFailed
-    from torch._inductor.exc import InductorError
-
-    return BackendCompilerFailed, InductorError
-
-
 @functools.cache
 def _compiled(fn):
     """``fn`` under ``torch.compile`` at static shapes (``Runtime.compile_prefill``: one chunk size, so one shape per
@@ -427,7 +420,7 @@ def _compiled(fn):
         if shapes not in eager_shapes:
             try:
                 return compiled(*args, **kwargs)
-            except _compile_errors() as err:
+            except compile_errors() as err:
                 eager_shapes.add(shapes)
                 line = (str(err).strip().splitlines() or [""])[0][:200]
                 warnings.warn(f"torch.compile failed for {fn.__name__} at these shapes ({type(err).__name__}: "

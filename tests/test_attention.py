@@ -199,3 +199,43 @@ def test_compact_flex_on_cuda_matches_chunked_with_gradients(size, budget):
         results.append((out, *torch.autograd.grad((out * upstream).sum(), (q, k, v))))
     for name, fast, ref in zip(("out", "dq", "dk", "dv"), *results):
         assert (fast - ref).abs().max() < 2e-3, name
+
+
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_flex_shape_that_fails_to_compile_falls_back_to_the_main_kernel_then_eagerly(monkeypatch, failures):
+    """An inductor failure at one shape (an H100 failed to lower the short-query flex-decoding kernel) retries that
+    shape with FORCE_USE_FLEX_ATTENTION, then, if that fails too, runs eager flex: the same output, one warning a
+    step, and the shape remembers its route (no second compile attempt); other shapes still try the compiled one."""
+    from torch._inductor.exc import InductorError
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from kvpop import attention
+
+    calls = []
+
+    def compiled(query, key, value, kernel_options=None, **kwargs):  # stands in for torch.compile(flex_attention)
+        forced = bool((kernel_options or {}).get("FORCE_USE_FLEX_ATTENTION"))
+        calls.append((query.shape[-2], forced))
+        if query.shape[-2] == 90 and (not forced or failures == 2):
+            raise InductorError(RuntimeError("NoValidChoicesError: No choices to select"), None)
+        return flex_attention(query, key, value, **kwargs)
+
+    monkeypatch.setattr(attention, "_compiled_flex", lambda: compiled)
+    monkeypatch.setattr(attention, "_FLEX_FALLBACK", {})
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 90, 16, generator=g) for _ in range(3))
+    shape = (tuple(q.shape), tuple(k.shape))
+    with pytest.warns(RuntimeWarning) as record:
+        out = attention._compiled_flex_or_fallback(shape, q, k, v, kernel_options={"WRITE_DQ": True})
+    messages = [str(w.message) for w in record if "FlexAttention failed" in str(w.message)]
+    assert len(messages) == failures
+    assert "running the main flex kernel" in messages[0]
+    assert failures == 1 or "running eager flex_attention" in messages[1]
+    assert torch.equal(out, flex_attention(q, k, v))
+    assert calls == [(90, False), (90, True)]
+    again = attention._compiled_flex_or_fallback(shape, q, k, v)
+    assert torch.equal(again, out)
+    assert calls[2:] == ([(90, True)] if failures == 1 else [])  # its route remembered: no failing compile again
+    other = torch.randn(2, 4, 64, 16, generator=g)
+    attention._compiled_flex_or_fallback(((2, 4, 64, 16), tuple(k.shape)), other, k, v)
+    assert calls[-1] == (64, False)

@@ -348,7 +348,7 @@ def test_graphed_prefill_on_cuda_equals_the_fused_prefill(policy):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("policy", ["kvpop:mlstm", "oracle+ties"])
-def test_a_kept_chunk_graph_replays_later_prompts_as_their_own_prefill(policy):
+def test_on_cuda_a_kept_chunk_graph_replays_later_prompts_as_their_own_prefill(policy):
     """:class:`kvpop.decode.ChunkGraph`: the second prompt's prefill replays the first one's graph (no capture) and
     leaves its cache as its own graphed prefill does; the first prompt's cache is left as it was; a new oracle
     block (other targets) recaptures."""
