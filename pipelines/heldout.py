@@ -18,6 +18,11 @@ with the evaluation stage's own code (:func:`pipelines.eval_parts.evaluate_items
   oracle at them (the rows ``kvpop-H`` / ``oracle-H`` of the evaluation stage, logged under the same names);
 * summarised over items (each corpus apart) with ``eval.resamples`` bootstrap resamples.
 
+The references' records are kept in ``$KVPOP_HOME/heldout_references/<key>/`` (:func:`references_key`: the items'
+tokens, the budget, the target definition, the ``eval`` settings, the base's weights, the card and torch; written as
+:class:`pipelines.eval_parts.FinishedParts`): a resumed run, and a next phase on the same items, read them instead
+of measuring them again (~150 s of an H100 for the recipe's items); ``jobs.state`` packs them.
+
 :func:`heldout_metrics` names what is logged (:data:`METRICS` the curve's main lines; each with ``.lo`` / ``.hi``,
 its 95 % interval): ``heldout.kl`` and ``heldout.top1`` (kvpop's KL(dense ‖ kvpop) and top-1 agreement over positions
 ``>= B``), ``heldout.gap_closed`` / ``heldout.gap_closed_top1`` (the fraction of the streaming → oracle gap kvpop
@@ -30,7 +35,12 @@ closes, a paired ratio), ``heldout.recall_exact`` (headline cells: dense's exact
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+from pathlib import Path
+
+import numpy as np
 
 from kvpop.evaluation import ALLOCATED_SUFFIX, settings
 from kvpop.retrofit import runtime_of
@@ -38,11 +48,12 @@ from kvpop.pretrained import read_model_config
 from pipelines import report
 from pipelines.config import HELDOUT_REFERENCES, ConfigError, PipelineConfig
 from pipelines.data import check_heldout_sources, load_sequences, load_tokenizer
-from pipelines.eval_parts import evaluate_items, heldout_corpora, kvpop_ranking, recall_samples
+from pipelines.eval_parts import FinishedParts, evaluate_items, heldout_corpora, kvpop_ranking, recall_samples
 
 METRICS = ("heldout.kl", "heldout.top1", "heldout.gap_closed", "heldout.recall_exact")
 PREFIX = "heldout."
 _REPORTED = {"kl": "kl", "top1": "top1_agreement", "recall_exact": "recall_exact"}  # our name: pipelines.report's
+REFERENCES_DIR = "heldout_references"  # under $KVPOP_HOME: one folder of reference records per references_key
 
 
 def heldout_config(cfg: PipelineConfig) -> PipelineConfig:
@@ -95,13 +106,29 @@ def check_heldout(cfg: PipelineConfig, tokenizer=None) -> None:
     corpus_inputs(cfg, inputs)
 
 
+def references_key(cfg: PipelineConfig, inputs: dict, identity: dict) -> str:
+    """What the references' records of ``inputs`` depend on, as a digest: the items (tokens, recall samples), the
+    budget, the oracle's target definition, the ``eval`` settings, and ``identity`` (the base's weights, the card,
+    torch: whatever else changes a record)."""
+    digest = hashlib.sha256(json.dumps(
+        {"identity": identity, "budget": str(cfg.budget), "targets": cfg.precompute.target_options(),
+         "eval": dataclasses.asdict(cfg.eval), "policies": HELDOUT_REFERENCES}, sort_keys=True, default=str).encode())
+    for sequence in inputs["sequences"]:
+        digest.update(np.asarray(sequence["input_ids"], dtype=np.int64).tobytes())
+    for sample in inputs["samples"]:
+        digest.update(json.dumps(dataclasses.asdict(sample), sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]
+
+
 class HeldoutEvaluator:
     """``evaluator(model) -> {metric name: value}`` for a retrofitted model under training (in eval mode, any
     device): kvpop at the training budget on the run's fixed items of each corpus, beside that corpus's references
-    measured at the first call."""
+    measured at the first call — or read from ``home``'s :data:`REFERENCES_DIR` where ``identity`` (see
+    :func:`references_key`) is given and they were measured before."""
 
-    def __init__(self, cfg: PipelineConfig):
+    def __init__(self, cfg: PipelineConfig, identity: dict | None = None, home: Path | None = None):
         self.cfg = heldout_config(cfg)
+        self.identity, self.home = identity, home if home is not None else cfg.home_dir()
         main = heldout_inputs(cfg)
         # metric prefix -> items: the training source's under heldout.*, another corpus's under heldout.<corpus>.*
         self.items = {PREFIX: main, **{corpus_prefix(name): items for name, items in corpus_inputs(cfg, main).items()}}
@@ -109,21 +136,24 @@ class HeldoutEvaluator:
         self.budgets = [{"B": total, "CR": 1 - total / cfg.data.seq_len, "budget": str(cfg.budget)}]
         self.references: dict[str, list[dict]] = {}  # metric prefix -> the references' records
 
-    def records(self, model, policies: list[str], inputs: dict) -> list[dict]:
+    def records(self, model, policies: list[str], inputs: dict,
+                finished: FinishedParts = FinishedParts(None)) -> list[dict]:
         allocation = runtime_of(model).allocation  # training at per-head budgets: measured at them
         allocated = [p for p in policies if allocation is not None and p in ("kvpop", "oracle")]
         # kvpop ranks as the evaluation stage ranks it: the curve predicts the stage's number
         runs = settings([p for p in policies if p not in allocated], [self.cfg.budget],
                         **kvpop_ranking(self.cfg.eval), allocated=allocated,
                         allocations={self.cfg.budget.total: allocation})
-        found, _ = evaluate_items(self.cfg, inputs, model, progress=False, runs=runs)
+        found, _ = evaluate_items(self.cfg, inputs, model, progress=False, runs=runs, finished=finished)
         return [{**r, "policy": r["policy"].removesuffix(ALLOCATED_SUFFIX)} for r in found]
 
     def __call__(self, model) -> dict[str, float]:
         out = {}
         for prefix, inputs in self.items.items():
             if prefix not in self.references:
-                self.references[prefix] = self.records(model, list(HELDOUT_REFERENCES), inputs)
+                kept = FinishedParts(None if self.identity is None else
+                                     self.home / REFERENCES_DIR / references_key(self.cfg, inputs, self.identity))
+                self.references[prefix] = self.records(model, list(HELDOUT_REFERENCES), inputs, kept)
             found = [r for r in self.records(model, ["kvpop"], inputs) if r["policy"] == "kvpop"]  # dense: the refs'
             summary = report.summarize(self.references[prefix] + found, self.budgets,
                                        resamples=self.cfg.eval.resamples)

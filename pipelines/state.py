@@ -5,8 +5,9 @@ continue a recipe or pipeline on a fresh machine through the product's own resum
 per training run, the ``final_model`` and, unless a train record names that final model (a finished run: the record
 reuses it and nothing resumes it), Ray Train's ``checkpoint_manager_snapshot.json`` with the ``checkpoint_*`` folders
 (the DCP checkpoint the snapshot names: Ray refuses a snapshot whose checkpoint is missing); the
-evaluations (``eval/``: complete results, the parts of an unfinished one, scorers read at other windows); the MLflow
-store (``mlflow.db``, ``mlartifacts/``); and ``kvpop-state.json``, the home it came from. **Not packed**: targets,
+evaluations (``eval/``: complete results, the parts of an unfinished one, scorers read at other windows); the
+learning curves' reference records (``heldout_references/``, :mod:`pipelines.heldout`); the MLflow store
+(``mlflow.db``, ``mlartifacts/``); and ``kvpop-state.json``, the home it came from. **Not packed**: targets,
 tokenized data and digest caches (the precompute stage remakes targets, and a phase whose train record is finished
 needs none), the base model (``model.path`` names it on the new machine, checked by its tensors' digest).
 
@@ -32,7 +33,7 @@ MANIFEST = "kvpop-state.json"
 FORMAT = 1
 RUN_FILES = ("checkpoint_manager_snapshot.json",)
 RUN_FOLDERS = ("checkpoint_", "final_model")
-TOP = ("mlflow.db", "mlartifacts", "eval", "records/train", "records/evaluate")
+TOP = ("mlflow.db", "mlartifacts", "eval", "records/train", "records/evaluate", "heldout_references")
 
 
 class StateError(ConfigError):

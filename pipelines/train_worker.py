@@ -342,6 +342,15 @@ def start_student(spec: TrainSpec, device, rank: int = 0, checkpoint=None):
     return model, tokenizer, optimizer, trainable, _resume(model, optimizer, spec, rank, checkpoint)
 
 
+def heldout_identity(spec: TrainSpec, device) -> dict:
+    """What the held-out references' records depend on beyond their items and settings
+    (:func:`pipelines.heldout.references_key`): the base's weights, the model as evaluated (fp32 weights; sharded
+    ones gathered into a plain student), the card, torch."""
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {"base_sha256": spec.base_sha256, "bf16": spec.bf16, "sharded": spec.sharded, "device": card,
+            "torch": torch.__version__}
+
+
 class HeldoutRunner:
     """The in-training held-out evaluation of one worker (``spec.eval_every`` > 0; else calls do nothing): rank 0
     evaluates the scorers as they are (:class:`pipelines.heldout.HeldoutEvaluator`) and logs ``heldout.*`` to the
@@ -353,8 +362,8 @@ class HeldoutRunner:
         self.plain = None
         # the held-out items are built now: a corpus that cannot be read fails the run before its first step, not
         # eval_every steps into a resumed run
-        self.evaluator = (HeldoutEvaluator(config_from_dict(spec.eval_config)) if spec.eval_every and rank == 0
-                          else None)
+        self.evaluator = (HeldoutEvaluator(config_from_dict(spec.eval_config), heldout_identity(spec, device))
+                          if spec.eval_every and rank == 0 else None)
 
     def __call__(self, step: int) -> None:
         spec = self.spec

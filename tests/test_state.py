@@ -23,6 +23,8 @@ def _home(home):
             (run / folder).mkdir(parents=True)
             (run / folder / "x.bin").write_bytes(b"\0\1")
         (run / "checkpoint_manager_snapshot.json").write_text(json.dumps({"path": str(run / "checkpoint_2026")}))
+    (home / "heldout_references" / "0123abcd").mkdir(parents=True)  # a learning curve's reference records
+    (home / "heldout_references" / "0123abcd" / "text.json").write_text("{}")
     (home / "targets" / "t").mkdir(parents=True)
     (home / "targets" / "t" / "shard.parquet").write_bytes(b"big")
     with sqlite3.connect(home / "mlflow.db") as conn:
@@ -41,7 +43,7 @@ def test_export_packs_what_resume_needs_and_import_moves_it(tmp_path, capsys):
         names = set(tar.getnames())
     assert {"records/train/k.json", "runs/u/checkpoint_manager_snapshot.json", "runs/r/final_model/x.bin",
             "runs/u/checkpoint_2026-01-01_00-00-00.000000/x.bin", "runs/u/final_model/x.bin", "mlflow.db",
-            state.MANIFEST} <= names
+            "heldout_references/0123abcd/text.json", state.MANIFEST} <= names
     # a finished run's checkpoints stay behind: its record reuses the final model
     assert not any(n.startswith(("targets", "records/precompute", "runs/r/checkpoint", "runs/r/other",
                                  "runs/u/other", "runs/r/.final", "runs/u/.final")) for n in names)

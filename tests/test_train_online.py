@@ -216,6 +216,39 @@ def test_held_out_evaluation_measures_kvpop_against_references_measured_once(tin
     assert second["heldout.gap_closed"] == pytest.approx(gap, abs=1e-5)  # means of item values rounded to 1e-6
 
 
+def test_held_out_references_are_kept_for_a_resumed_run_keyed_by_what_they_depend_on(tiny_setup, tmp_path):
+    """With an identity, the references' records are kept under $KVPOP_HOME/heldout_references/<key>: a new evaluator
+    (a resumed run, a next phase on the same items) reads them — the same metrics, no second measurement — and
+    another identity (card, base) or other items measure their own."""
+    from pipelines.heldout import REFERENCES_DIR, HeldoutEvaluator
+
+    cfg = tiny_config(tiny_setup, tmp_path / "home", "train.eval_every=1", "train.eval_sequences=2",
+                      "eval.resamples=200")
+    model, _ = build_student(_spec(tiny_setup, tmp_path))
+    model.eval()
+    identity = {"base_sha256": "abc", "device": "cpu"}
+    first = HeldoutEvaluator(cfg, identity)(model)
+    kept = cfg.home_dir() / REFERENCES_DIR
+    (folder,) = kept.iterdir()
+    assert first == HeldoutEvaluator(cfg)(model)  # kept or not, the same curve point
+    assert list(kept.iterdir()) == [folder]  # without an identity nothing is kept
+    assert HeldoutEvaluator(cfg, identity)(model) == first  # read back exactly
+    text = folder / "text.json"
+    part = json.loads(text.read_text())
+    for record in part["records"]:
+        if record["policy"] == "streaming":
+            record["kl"] += 1.0
+    text.write_text(json.dumps(part))
+    marked = HeldoutEvaluator(cfg, identity)(model)
+    assert marked["heldout.streaming.kl"] == pytest.approx(first["heldout.streaming.kl"] + 1.0)  # read, not measured
+    assert marked["heldout.kl"] == first["heldout.kl"]  # kvpop is measured at every point
+    assert HeldoutEvaluator(cfg, {**identity, "device": "NVIDIA H100"})(model) == first
+    fewer = tiny_config(tiny_setup, tmp_path / "home", "train.eval_every=1", "train.eval_sequences=1",
+                        "eval.resamples=200")
+    HeldoutEvaluator(fewer, identity)(model)
+    assert len(list(kept.iterdir())) == 3
+
+
 def _other_corpus_config(tiny_setup, tmp_path, *extra: str):
     """The tiny config evaluating during training a corpus it never trains on, ``extra_docs`` (another seed's
     documents): 3 held-out sequences a corpus, the first 2 evaluated."""
