@@ -61,6 +61,11 @@ def compile_errors() -> tuple[type[Exception], ...]:
     return BackendCompilerFailed, InductorError
 
 
+def compile_error_line(err: Exception) -> str:
+    """A compile error as one warning-sized line: its type and the first 200 characters of its first line."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:200]}"
+
+
 _FLEX_SHAPES: set = set()
 FLEX_SHAPES_WARNING = 32  # distinct compiled shapes in one process past which a caller is compiling per call
 # shapes whose compiled flex failed: "flex" retries with FORCE_USE_FLEX_ATTENTION (the main kernel, not the
@@ -106,9 +111,8 @@ def _compiled_flex_or_fallback(shape: tuple, query, key, value, **kwargs):
 
 
 def _warn_flex_fallback(shape: tuple, err: Exception, route: str) -> None:
-    line = (str(err).strip().splitlines() or [""])[0][:200]
     then = "the main flex kernel" if route == "flex" else "eager flex_attention (its math path)"
-    warnings.warn(f"torch.compile of FlexAttention failed at query/key shapes {shape} ({type(err).__name__}: {line}); "
+    warnings.warn(f"torch.compile of FlexAttention failed at query/key shapes {shape} ({compile_error_line(err)}); "
                   f"running {then} for them", RuntimeWarning, stacklevel=4)
 
 

@@ -65,8 +65,8 @@ from packaging.version import Version
 from torch.utils._pytree import tree_leaves
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvpop.attention import (candidate_attention, compile_errors, explicit_attention, raise_recompile_limits,
-                             retention_block_indices, slot_attention)
+from kvpop.attention import (candidate_attention, compile_error_line, compile_errors, explicit_attention,
+                             raise_recompile_limits, retention_block_indices, slot_attention)
 from kvpop.policies.base import LayerView, Policy
 from kvpop.retention import anchored_eviction_positions, ranks_newer_wins, retained
 
@@ -422,9 +422,8 @@ def _compiled(fn):
                 return compiled(*args, **kwargs)
             except compile_errors() as err:
                 eager_shapes.add(shapes)
-                line = (str(err).strip().splitlines() or [""])[0][:200]
-                warnings.warn(f"torch.compile failed for {fn.__name__} at these shapes ({type(err).__name__}: "
-                              f"{line}); running it eagerly", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"torch.compile failed for {fn.__name__} at these shapes ({compile_error_line(err)}); "
+                              f"running it eagerly", RuntimeWarning, stacklevel=2)
         return fn(*args, **kwargs)
 
     return run
