@@ -107,8 +107,12 @@ def _mlflow_schema_migrated_once(tmp_path_factory):
     import contextlib
     import sqlite3
 
-    import sqlalchemy
-    from mlflow.store.db import utils
+    try:
+        import sqlalchemy
+        from mlflow.store.db import utils
+    except ImportError:  # a box without the tracking stack (a GPU machine's CUDA tests before its install): no store
+        yield
+        return
 
     template = tmp_path_factory.mktemp("mlflow-schema") / "mlflow.db"
     engine = sqlalchemy.create_engine(f"sqlite:///{template}")
