@@ -295,6 +295,14 @@ def _last_logged_step(client, run_id: str) -> int:
     return max((m.step for m in client.get_metric_history(run_id, "step_s")), default=0)
 
 
+def _last_logged_value(client, run_id: str, name: str) -> float:
+    """The value of metric ``name`` at the run's last logged step (0 if none): ``train_s``, the seconds the run's
+    worker has spent so far — each (re)start adds its own time to what the killed one had logged, so a run resumed
+    across sessions reports the time it cost (to its last logged step), the replayed steps included."""
+    history = client.get_metric_history(run_id, name)
+    return max(history, key=lambda m: (m.step, m.timestamp)).value if history else 0.0
+
+
 def _report_checkpoint(model, optimizer, spec: TrainSpec, step: int, metrics: dict) -> None:
     import ray.train
 
@@ -399,6 +407,7 @@ def train_loop(config: dict) -> None:
     import ray.train
     import ray.train.torch
 
+    t_start = time.perf_counter()
     spec: TrainSpec = pickle.loads(config["spec"])
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -410,12 +419,13 @@ def train_loop(config: dict) -> None:
     model, tokenizer, optimizer, trainable, start_step = start_student(spec, device, rank,
                                                                        ray.train.get_checkpoint())
 
-    client, logged_up_to = None, 0
+    client, logged_up_to, spent_before = None, 0, 0.0
     if rank == 0:
         import mlflow
 
         client = mlflow.MlflowClient(spec.tracking_uri)
         logged_up_to = _last_logged_step(client, spec.mlflow_run_id)
+        spent_before = _last_logged_value(client, spec.mlflow_run_id, "train_s")
     batches = _batches(ray.train.get_dataset_shard("train"), spec.batch_size, start_step, device)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if spec.bf16 and not spec.sharded
                 and device.type == "cuda" else contextlib.nullcontext())
@@ -454,7 +464,7 @@ def train_loop(config: dict) -> None:
             values /= world
         metrics = {"step": step, **dict(zip(names, values.tolist())), "tokens_per_s": tokens_per_step / seconds,
                    "step_s": seconds, "data_wait_s": t0 - t_wait, "resumed_from": start_step,
-                   "lr": optimizer.param_groups[0]["lr"]}
+                   "lr": optimizer.param_groups[0]["lr"], "train_s": spent_before + time.perf_counter() - t_start}
         if rank == 0 and (step % spec.log_every == 0 or step == spec.steps):
             if step > logged_up_to:  # a replayed step after a resume is in the histories already
                 _log_metrics(client, spec.mlflow_run_id, metrics, step)

@@ -73,6 +73,11 @@ def test_training_resumes_by_name_after_a_crash_learns_and_is_tracked(tiny_targe
         assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3, 4, 5, 6], key
     for key in ("kl", "boundary_acc", "tokens_per_s", "loss"):
         assert client.get_metric_history(run_id, key)
+    # train_s: the worker's seconds across both starts — the restart adds its time to what the crashed one logged
+    spent = {m.step: m.value for m in client.get_metric_history(run_id, "train_s")}
+    step_s = {m.step: m.value for m in client.get_metric_history(run_id, "step_s")}
+    assert sorted(spent) == [1, 2, 3, 4, 5, 6] and all(spent[i] < spent[i + 1] for i in range(1, 6)), spent
+    assert spent[6] >= spent[3] + step_s[4] + step_s[5] + step_s[6], (spent, step_s)
     # the model artifact: scorers + kvpop.json + the base's identity, no second copy of the base weights
     artifacts = {a.path for a in client.list_artifacts(run_id, "model")}
     assert {"model/kvpop.json", "model/kvpop_scorers.safetensors"} <= artifacts
@@ -124,6 +129,23 @@ def _driver(cfg, ray_address: str, crash_at: str, tmp_path) -> subprocess.Comple
     env = {**os.environ, "PYTHONPATH": str(REPO), records.CRASH_ENV: crash_at, "RAY_ADDRESS": ray_address}
     return subprocess.run([sys.executable, str(script), json.dumps(cfg.to_dict())], env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+def test_a_restart_carries_the_train_seconds_of_the_last_logged_step(tmp_path):
+    """train_s continues from the value at the run's last logged step — the latest logging of it when a replayed step
+    was logged twice — and from 0 on a fresh run."""
+    import mlflow
+
+    from pipelines.train_worker import _last_logged_value
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = client.create_run(client.create_experiment("x")).info.run_id
+    assert _last_logged_value(client, run_id, "train_s") == 0.0
+    for step, value, ms in ((1, 5.0, 1000), (2, 9.0, 2000), (3, 12.0, 3000), (2, 30.0, 4000)):
+        client.log_metric(run_id, "train_s", value, timestamp=ms, step=step)
+    assert _last_logged_value(client, run_id, "train_s") == 12.0
+    client.log_metric(run_id, "train_s", 40.0, timestamp=5000, step=3)
+    assert _last_logged_value(client, run_id, "train_s") == 40.0
 
 
 @pytest.mark.ray
