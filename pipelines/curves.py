@@ -65,7 +65,7 @@ def plot_learning_curve(run_id: str, tracking_uri: str, out: str | Path | None =
     panels = [(title, name, refs) for title, name, refs in PANELS if f"{PREFIX}{name}" in run.data.metrics]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.8 * len(panels), 4.4), squeeze=False)
     corpora = logged_corpora(run.data.metrics)
     for ax, (title, name, refs) in zip(axes[0], panels):
         _kvpop_line(ax, client, run_id, f"{PREFIX}{name}", "C3", "kvpop, training corpus" if corpora else "kvpop",
@@ -79,7 +79,8 @@ def plot_learning_curve(run_id: str, tracking_uri: str, out: str | Path | None =
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("training step")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        # under the panel: inside, the legend covers the bands of a run whose curves fill the axes
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, frameon=False)
     fig.suptitle(f"held-out learning curve of {run.info.run_name}", fontsize=11)
     fig.tight_layout()
     path = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="kvpop-curve-")) / "learning_curve.png"
