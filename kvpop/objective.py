@@ -28,6 +28,7 @@ from torch import nn
 from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule, dms_loss, retained_stats
 from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss, topk_kl
+from kvpop.names import TRAIN_POLICIES  # re-exported (kvpop.names says why it lives there)
 from kvpop.retention import with_recency
 from kvpop.retrofit import collect_priorities, runtime_of, soft_retention
 
@@ -222,4 +223,5 @@ class StreamingObjective:
 METRICS = {"kvpop": ("loss", "ret_loss", "kl", "boundary_acc"),
            "dms": ("loss", "kl", "keep_loss", "keep_rate", "target_keep_rate", "retained_fraction"),
            "streaming": ("loss", "kl")}  # per train.policy: what its objective reports (logged every step)
-TRAIN_POLICIES = tuple(METRICS)
+if tuple(METRICS) != TRAIN_POLICIES:  # kvpop.names holds the policies for the config, which must not import this
+    raise ImportError(f"kvpop.names.TRAIN_POLICIES {TRAIN_POLICIES} is not kvpop.objective.METRICS' {tuple(METRICS)}")

@@ -17,13 +17,12 @@ from __future__ import annotations
 import torch
 
 from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss
+from kvpop.names import FEATURE_SOURCES  # also re-exported (kvpop.names says why it lives there)
 from kvpop.objective import KLThroughMask
 from kvpop.policies.window_attention import window_attention_priorities
 from kvpop.retrofit import collect_priorities, runtime_of, scorer_window, scoring_modules
 from kvpop.retention import with_recency
 from kvpop.targets import teacher_pass
-
-FEATURE_SOURCES = ("dense", "student")
 
 
 def _scorer_window(model) -> int:

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from kvpop.names import TRAIN_MODES  # also re-exported (kvpop.names says why it lives there)
 from kvpop.retrofit import scorers
-
-TRAIN_MODES = ("scorer_only", "distill")
 
 
 def trainable_parameters(model: nn.Module, mode: str) -> dict[str, list[nn.Parameter]]:

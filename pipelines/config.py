@@ -23,9 +23,7 @@ import yaml
 from kvpop.allocation import MODES as ALLOCATION_MODES
 from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule
-from kvpop.objective import TRAIN_POLICIES
-from kvpop.online import FEATURE_SOURCES as ONLINE_FEATURES
-from kvpop.parameters import TRAIN_MODES
+from kvpop.names import FEATURE_SOURCES as ONLINE_FEATURES, TRAIN_MODES, TRAIN_POLICIES
 from kvpop.policies import ALLOCATABLE as ALLOCATED_POLICIES, POLICIES
 from kvpop.scorers import SCORERS
 from kvpop.targets import check_query_power

@@ -173,3 +173,35 @@ def test_function_local_imports_only_for_optional_heavy_dependencies(module):
     bad = [(imported, line) for imported, _, line, is_local in _imports(module)
            if is_local and imported.split(".")[0] not in LOCAL_IMPORTS_ALLOWED]
     assert not bad, f"{module} imports inside functions: {bad} (import at the top; only {LOCAL_IMPORTS_ALLOWED} wait)"
+
+
+def _package_imports_at_import(package: str) -> set[str]:
+    """The project modules a package's ``__init__`` imports when it runs: its top-level imports, not those under
+    ``if TYPE_CHECKING:`` (what its lazy ``__getattr__`` imports on first use is not read here)."""
+    tree = ast.parse(MODULES[package].read_text())
+    found = set()
+    for node in tree.body:  # top level only: an ``if`` block (TYPE_CHECKING) is left out
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES)
+            found.update({node.module} & set(MODULES))
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name in MODULES)
+    return found - {package}
+
+
+def test_the_config_does_not_import_the_retrofit():
+    """Every CLI process imports pipelines.config: reading and checking a config must not import kvpop.retrofit and
+    its transformers model machinery (~2 s of a core per process; kvpop.names holds what the checks need). A module
+    of kvpop runs the package's ``__init__`` first: its eager imports count."""
+    graph = _edges()
+    seen, todo = set(), ["pipelines.config"]
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        todo.extend(graph[module] - {"kvpop"})
+        if module.startswith("kvpop."):
+            todo.extend(_package_imports_at_import("kvpop"))
+    assert "kvpop.names" in seen and "kvpop.dms_cache" in seen  # the reader follows the package's eager imports
+    assert "kvpop.retrofit" not in seen, sorted(seen)
