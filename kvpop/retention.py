@@ -84,6 +84,13 @@ def prefix_kth_largest(rank: torch.Tensor, k: int | torch.Tensor) -> torch.Tenso
         k_rows = row_topk(k, rank.shape[:-1], rank.device)
         if k_rows.numel() and int(k_rows.min()) < 1:
             raise ValueError(f"k must be >= 1, got {int(k_rows.min())}")
+    return wavelet_kth_largest(rank, k_rows)
+
+
+def wavelet_kth_largest(rank: torch.Tensor, k_rows: int | torch.Tensor) -> torch.Tensor:
+    """:func:`prefix_kth_largest` without its checks: ``k_rows`` an int >= 1 or a long tensor of values >= 1 already
+    expanded to the leading dims. Never reads a device value on the host, so callers that know their ``k`` (a
+    training step's budgets) queue the whole descent without a sync."""
     lead, n = rank.shape[:-1], rank.shape[-1]
     arr = rank.reshape(-1, n)
     rows, device = arr.shape[0], arr.device
