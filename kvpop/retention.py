@@ -104,6 +104,7 @@ def wavelet_kth_largest(rank: torch.Tensor, k_rows: int | torch.Tensor) -> torch
         remaining = k_rows.expand(rows, n).clone()
     answer = torch.zeros(rows, n, dtype=torch.long, device=device)
     zero_col = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    position = torch.arange(n, device=device).expand(rows, n)
     for bit in reversed(range(max(1, (n - 1).bit_length()))):
         bits = (arr >> bit) & 1
         ones_before = torch.cat([zero_col, bits.cumsum(-1)], dim=-1)  # [rows, n+1]
@@ -115,10 +116,9 @@ def wavelet_kth_largest(rank: torch.Tensor, k_rows: int | torch.Tensor) -> torch
         remaining = torch.where(take_one, remaining, remaining - ones_in)
         lo = torch.where(take_one, zeros_total + ones_lo, lo - ones_lo)
         hi = torch.where(take_one, zeros_total + ones_hi, hi - ones_hi)
-        # stable partition for the next bit: zeros first, then ones, each in order
-        position = torch.arange(n, device=device).expand(rows, n)
-        target = torch.where(bits.bool(), zeros_total + ones_before[:, :-1], position - ones_before[:, :-1])
-        arr = torch.empty_like(arr).scatter_(-1, target, arr)
+        if bit:  # stable partition for the next bit: zeros first, then ones, each in order
+            target = torch.where(bits.bool(), zeros_total + ones_before[:, :-1], position - ones_before[:, :-1])
+            arr = torch.empty_like(arr).scatter_(-1, target, arr)
     answer = torch.where(prefix_len >= k_rows, answer, torch.full_like(answer, -1))
     return answer.reshape(*lead, n)
 
