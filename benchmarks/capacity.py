@@ -60,6 +60,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.decode import copy_bandwidth, time_steps, weight_bytes  # noqa: E402
+from kvpop.profiling import kernel_count, profiled  # noqa: E402  (the one profile formatter: the train step's too)
 
 SHAPES = {  # (architecture, config): the published models' shapes, random weights
     "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -192,29 +193,6 @@ def dense_cache(model, batch: int, length: int):
 # measurements
 
 
-# aten operators that launch no kernel of their own (views, allocation, dispatch helpers)
-NO_KERNEL = {"alias", "as_strided", "as_strided_", "chunk", "contiguous", "detach", "empty", "empty_like",
-             "empty_strided", "expand", "expand_as", "flatten", "lift_fresh", "narrow", "permute", "reshape",
-             "_reshape_alias", "resolve_conj", "resolve_neg", "result_type", "select", "slice", "split",
-             "split_with_sizes", "squeeze", "t", "to", "_to_copy", "transpose", "unbind", "unflatten", "unsqueeze",
-             "_unsafe_view", "view", "view_as"}
-
-
-def profiled(call, device, rows: int):
-    """``(profiler, sort key, table)`` of one ``call()``: its top ``rows`` kernels by their own device time (CPU:
-    operator time)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        call()
-        _sync(device)
-    events = prof.key_averages()
-    sort = next((key for key in ("self_device_time_total", "self_cuda_time_total")
-                 if device.type == "cuda" and events and hasattr(events[0], key)), "self_cpu_time_total")
-    return prof, sort, events.table(sort_by=sort, row_limit=rows)
-
-
 def profile_step(step, device) -> tuple[int, str]:
     """``(kernels, table)`` of one call of ``step`` after a call outside the profile (a compiled step compiles and
     autotunes there, not in the count): the kernels it launches — on CUDA as the profiler sees them; on CPU, the
@@ -224,18 +202,7 @@ def profile_step(step, device) -> tuple[int, str]:
         step()
         _sync(device)
         prof, _, table = profiled(step, device, rows=25)
-    events = prof.events()
-    if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA), table
-
-    def computing(event):
-        if event.name.removeprefix("aten::") not in NO_KERNEL:
-            return 1
-        return sum(computing(c) for c in event.cpu_children if c.name.startswith("aten::"))
-
-    outermost = [e for e in events if e.name.startswith("aten::")
-                 and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
-    return sum(computing(e) for e in outermost), table
+    return kernel_count(prof, device), table
 
 
 def step_activation_bytes(model, extra_per_layer: int = 0) -> int:

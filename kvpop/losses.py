@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpop.budget import Budget
-from kvpop.retention import prefix_kth_largest, ranks_newer_wins, row_topk
+from kvpop.retention import prefix_kth_largest, ranks_newer_wins, row_topk, wavelet_kth_largest
 
 
 @dataclass
@@ -54,6 +54,38 @@ def boundary_decisions(teacher: torch.Tensor, budget: Budget, topk: torch.Tensor
     return BoundaryDecisions(t_new, t_bnd, keep & valid, valid)
 
 
+def boundary_decisions_at(teacher: torch.Tensor, budgets) -> list[BoundaryDecisions]:
+    """:func:`boundary_decisions` at each of ``budgets`` (one sink and window, uniform ``topk`` each), equal to the
+    calls one by one, from one ranking of the teacher and one wavelet descent over all the budgets' rows (each row its
+    own ``k``): a training step's several budgets (``extra_topks``) cost about the ops of one. No value is read on the
+    host: the ``k`` are the budgets' own ints."""
+    budgets = list(budgets)
+    if not budgets:
+        return []
+    s, w = budgets[0].sink, budgets[0].window
+    if any((b.sink, b.window) != (s, w) for b in budgets):
+        raise ValueError(f"boundary_decisions_at takes budgets of one sink and window, got {budgets}")
+    size, lead, device = teacher.shape[-1], teacher.shape[:-1], teacher.device
+    n = max(size - s, 0)
+    live = [b.topk for b in budgets if b.topk > 0]
+    if n == 0 or not live:
+        return [boundary_decisions(teacher, b) for b in budgets]
+    t_new = torch.arange(s, s + n, device=device)
+    rank, order = ranks_newer_wins(teacher[..., s:])
+    rows = rank.reshape(-1, n)
+    count = len(live)
+    # each budget's k filled on the device (a host tensor copied over would wait for the queue on CUDA)
+    k_rows = torch.cat([torch.full((rows.shape[0], 1), k, dtype=torch.long, device=device) for k in live])
+    theta = wavelet_kth_largest(rows.repeat(count, 1), k_rows).view(count, *lead, n)
+    cutoff_rank = torch.cat([torch.full_like(theta[..., :1], -1), theta[..., :-1]], dim=-1)
+    valid = (cutoff_rank >= 0) & (t_new + w <= size - 1)
+    t_bnd = s + order.expand(count, *order.shape).gather(-1, cutoff_rank.clamp(min=0))
+    keep = (rank > cutoff_rank) & valid
+    found = iter(zip(t_bnd.unbind(0), keep.unbind(0), valid.unbind(0)))
+    return [BoundaryDecisions(t_new, *next(found)) if b.topk > 0 else boundary_decisions(teacher, b)
+            for b in budgets]
+
+
 def boundary_loss(
     student: torch.Tensor,
     teacher: torch.Tensor,
@@ -82,8 +114,8 @@ def boundary_loss(
     if tau <= 0:
         raise ValueError(f"tau must be > 0, got {tau}")
     dec = decisions if decisions is not None else boundary_decisions(teacher.detach(), budget, topk)
-    if not dec.valid.any():
-        return student.sum() * 0.0
+    # no `if not dec.valid.any()` here: it would wait for the device every call; invalid positions are masked below
+    # and a loss without one is 0 / 1 (with a graph, no NaN)
     margin = boundary_margins(student, dec)
     z = dec.keep.to(student.dtype) * 2 - 1
     term = F.softplus(-z * margin / tau)
@@ -98,7 +130,7 @@ def boundary_loss(
     if balance:
         term = term * class_balance_weights(dec).to(term.dtype)
     term = torch.where(dec.valid, term, 0.0)
-    return term.sum() / dec.valid.sum()
+    return term.sum() / dec.valid.sum().clamp(min=1)
 
 
 def class_balance_weights(decisions: BoundaryDecisions) -> torch.Tensor:
@@ -180,21 +212,30 @@ def retention_budgets(budget: Budget, topks=()) -> list[Budget]:
 def retention_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budget, *, tau: float = 1.0,
                    weight: str | None = None, balance: bool = False, topks=(), random_pairs: int = 0,
                    generator: torch.Generator | None = None,
-                   decisions: BoundaryDecisions | None = None,
+                   decisions: BoundaryDecisions | list[BoundaryDecisions] | None = None,
                    head_topk: torch.Tensor | None = None) -> torch.Tensor:
     """The retention objective with its options: :func:`boundary_loss` at ``budget`` and at every extra long-range
     size in ``topks`` (same sink and window: the cache is evaluated at several budgets, and each ``k`` has its own
     cutoff), averaged; plus, with ``random_pairs``, :func:`random_pair_loss` as one more equal part. ``decisions``:
-    the teacher's at ``budget``, where the caller has them already (the other budgets' are derived here).
+    the teacher's at ``budget``, where the caller has them already (the other budgets' are derived here, together:
+    :func:`boundary_decisions_at`), or a list of the teacher's at each of :func:`retention_budgets`.
     ``head_topk``: per-head budgets (per-row long-range slots, :func:`boundary_decisions`) in place of
     ``budget.topk``; extra ``topks`` are not defined beside them (one clear error)."""
     if head_topk is not None and any(int(k) != budget.topk for k in topks):
         raise ValueError("extra long-range sizes (topks) are uniform budgets: they are not defined beside per-head "
                          "budgets; train an allocation without them")
     budgets = retention_budgets(budget, topks)
-    parts = [boundary_loss(student, teacher, b, tau=tau, weight=weight, balance=balance,
-                           decisions=decisions if b == budget else None,
-                           topk=head_topk if b == budget else None) for b in budgets]
+    if isinstance(decisions, (list, tuple)):
+        if len(decisions) != len(budgets):
+            raise ValueError(f"decisions for {len(decisions)} budgets, but the loss has {len(budgets)}: {budgets}")
+        given = list(decisions)
+    elif head_topk is not None:  # per-head budgets: no extra sizes (checked above)
+        given = [decisions]
+    else:
+        extra = boundary_decisions_at(teacher.detach(), budgets if decisions is None else budgets[1:])
+        given = extra if decisions is None else [decisions, *extra]
+    parts = [boundary_loss(student, teacher, b, tau=tau, weight=weight, balance=balance, decisions=dec,
+                           topk=head_topk if b == budget else None) for b, dec in zip(budgets, given, strict=True)]
     if random_pairs:
         parts.append(random_pair_loss(student, teacher, budget, pairs=random_pairs, tau=tau, generator=generator))
     return torch.stack(parts).mean()

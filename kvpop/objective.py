@@ -27,7 +27,8 @@ from torch import nn
 
 from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule, dms_loss, retained_stats
-from kvpop.losses import boundary_agreement, boundary_decisions, retention_loss, topk_kl
+from kvpop.losses import (boundary_agreement, boundary_decisions, boundary_decisions_at, retention_budgets,
+                          retention_loss, topk_kl)
 from kvpop.names import TRAIN_POLICIES  # re-exported (kvpop.names says why it lives there)
 from kvpop.retention import with_recency
 from kvpop.retrofit import collect_priorities, runtime_of, soft_retention
@@ -119,11 +120,14 @@ class Objective:
         """The ranking terms alone (no logits): ``ret_loss`` (with the gradient) and ``boundary_acc``."""
         teacher = with_recency(teacher_targets.float(), self.recency)
         topk = self.row_topk(teacher)
-        decisions = boundary_decisions(teacher, self.budget, topk)
+        if topk is None:  # every budget's decisions from one ranking and one descent
+            decisions = boundary_decisions_at(teacher, retention_budgets(self.budget, self.extra_topks))
+        else:
+            decisions = [boundary_decisions(teacher, self.budget, topk)]
         ret = retention_loss(student, teacher, self.budget, tau=self.tau, weight=self.weight, topks=self.extra_topks,
                              decisions=decisions, head_topk=topk)
         with torch.no_grad():
-            accuracy = boundary_agreement(student.detach(), decisions)
+            accuracy = boundary_agreement(student.detach(), decisions[0])
         return {"ret_loss": ret, "boundary_acc": accuracy}
 
 

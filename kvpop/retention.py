@@ -84,6 +84,13 @@ def prefix_kth_largest(rank: torch.Tensor, k: int | torch.Tensor) -> torch.Tenso
         k_rows = row_topk(k, rank.shape[:-1], rank.device)
         if k_rows.numel() and int(k_rows.min()) < 1:
             raise ValueError(f"k must be >= 1, got {int(k_rows.min())}")
+    return wavelet_kth_largest(rank, k_rows)
+
+
+def wavelet_kth_largest(rank: torch.Tensor, k_rows: int | torch.Tensor) -> torch.Tensor:
+    """:func:`prefix_kth_largest` without its checks: ``k_rows`` an int >= 1 or a long tensor of values >= 1 already
+    expanded to the leading dims. Never reads a device value on the host, so callers that know their ``k`` (a
+    training step's budgets) queue the whole descent without a sync."""
     lead, n = rank.shape[:-1], rank.shape[-1]
     arr = rank.reshape(-1, n)
     rows, device = arr.shape[0], arr.device
@@ -97,6 +104,7 @@ def prefix_kth_largest(rank: torch.Tensor, k: int | torch.Tensor) -> torch.Tenso
         remaining = k_rows.expand(rows, n).clone()
     answer = torch.zeros(rows, n, dtype=torch.long, device=device)
     zero_col = torch.zeros(rows, 1, dtype=torch.long, device=device)
+    position = torch.arange(n, device=device).expand(rows, n)
     for bit in reversed(range(max(1, (n - 1).bit_length()))):
         bits = (arr >> bit) & 1
         ones_before = torch.cat([zero_col, bits.cumsum(-1)], dim=-1)  # [rows, n+1]
@@ -108,10 +116,9 @@ def prefix_kth_largest(rank: torch.Tensor, k: int | torch.Tensor) -> torch.Tenso
         remaining = torch.where(take_one, remaining, remaining - ones_in)
         lo = torch.where(take_one, zeros_total + ones_lo, lo - ones_lo)
         hi = torch.where(take_one, zeros_total + ones_hi, hi - ones_hi)
-        # stable partition for the next bit: zeros first, then ones, each in order
-        position = torch.arange(n, device=device).expand(rows, n)
-        target = torch.where(bits.bool(), zeros_total + ones_before[:, :-1], position - ones_before[:, :-1])
-        arr = torch.empty_like(arr).scatter_(-1, target, arr)
+        if bit:  # stable partition for the next bit: zeros first, then ones, each in order
+            target = torch.where(bits.bool(), zeros_total + ones_before[:, :-1], position - ones_before[:, :-1])
+            arr = torch.empty_like(arr).scatter_(-1, target, arr)
     answer = torch.where(prefix_len >= k_rows, answer, torch.full_like(answer, -1))
     return answer.reshape(*lead, n)
 

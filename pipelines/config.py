@@ -25,6 +25,7 @@ from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule
 from kvpop.names import FEATURE_SOURCES as ONLINE_FEATURES, TRAIN_MODES, TRAIN_POLICIES
 from kvpop.policies import ALLOCATABLE as ALLOCATED_POLICIES, POLICIES
+from kvpop.profiling import check_profile_steps
 from kvpop.scorers import SCORERS
 from kvpop.targets import check_query_power
 from pipelines.models import REPO_ROOT, kvpop_home, smollm2_dir
@@ -211,6 +212,9 @@ class TrainConfig:
     #     also measures greedy exact match on (heldout.recall_exact: headline cells); 0 = none
     eval_heldout_sources: bool = False  # it also evaluates each eval.heldout_sources corpus's held-out split (the
     #     first eval_sequences sequences; text metrics), logged as heldout.<corpus>.*: the curve out of domain too
+    profile_steps: tuple[int, ...] = ()  # [first, count]: torch.profiler around steps first … first + count - 1 on
+    #     rank 0 (kvpop.profiling.StepProfiler): ops and kernels per step, host vs device time, device→host syncs by
+    #     source line, top operators; written as <run dir>/step_profile.md and the run's MLflow artifact. []: off
     allocation: str = ""  # policy kvpop: train at per-(layer, KV head) budgets (METHOD §7): "allocate" = this config's
     #     allocate stage's (python -m jobs.allocate; allocate.mean_budget must be budget.total), or a folder holding
     #     kvpop_allocation.json; "": every head at budget.*. The run's keys hold the allocation's digest
@@ -222,7 +226,7 @@ class TrainConfig:
     OPERATIONAL: ClassVar[tuple[str, ...]] = (
         "steps", "num_workers", "use_gpu", "cpus_per_worker", "strategy", "precision", "activation_checkpointing",
         "checkpoint_every", "max_failures", "log_every", "targets", "fail_at_step", "run_name", "output_root",
-        "eval_every", "eval_sequences", "eval_recall_samples", "eval_heldout_sources")
+        "eval_every", "eval_sequences", "eval_recall_samples", "eval_heldout_sources", "profile_steps")
     # settings that came after runs were first named: in the run-name hash only away from their default
     LATER: ClassVar[dict[str, Any]] = {"targets_source": "stored", "online_features": "student", "warmup_steps": 0,
                                        "schedule": "constant", "shuffle_seed": None, "allocation": ""}
@@ -271,6 +275,13 @@ class TrainConfig:
             (not (self.allocation and self.extra_topks),
              "train.extra_topks are uniform long-range sizes, not defined beside train.allocation: drop one"),
         ])
+        try:
+            window = check_profile_steps(self.profile_steps)
+        except ValueError as err:
+            raise ConfigError(f"train.profile_steps: {err} ([] = off)") from None
+        _require([(window is None or sum(window) - 1 <= self.steps,
+                   f"train.profile_steps: steps {window and window[0]} … {window and sum(window) - 1} are past "
+                   f"train.steps={self.steps}")])
         if self.policy == "dms":
             self.dms_schedule()
 

@@ -268,7 +268,8 @@ def make_spec(cfg: PipelineConfig, targets: TrainInputs, name: str, storage: Pat
         save_final=save_final, init_from=str(config_path(t.init_from).resolve()) if t.init_from else "",
         online=online, target_options=cfg.precompute.target_options() if online else {},
         top_k=cfg.precompute.top_k if online else 0, online_features=t.online_features,
-        warmup_steps=t.warmup_steps, schedule=t.schedule, eval_every=t.eval_every, eval_config=cfg.to_dict() if t.eval_every else {})
+        warmup_steps=t.warmup_steps, schedule=t.schedule, eval_every=t.eval_every, eval_config=cfg.to_dict() if t.eval_every else {},
+        profile_steps=tuple(t.profile_steps))
 
 
 def training_dataset(targets: store.Targets, columns: list[str], copies: int):

@@ -26,6 +26,11 @@ logs them (and ``lr``) to the run's MLflow run and prints one line per logged st
 also evaluates held-out items at step 0 of a fresh run, every ``eval_every`` steps and at the last
 (:class:`HeldoutRunner`, :mod:`pipelines.heldout`) and logs ``heldout.*`` at that step.
 
+**Profiling** (``spec.profile_steps = (first, count)``, ``train.profile_steps``): rank 0 runs those steps under
+:class:`kvpop.profiling.StepProfiler` (collection paused between them) and writes its report — operators and kernels
+per step, host vs device time, device→host syncs by source line, the top operators — as :data:`PROFILE_ARTIFACT` in
+the run dir and the run's MLflow artifacts after the window's last step.
+
 **Checkpoints** every ``checkpoint_every`` steps and at the last one (:mod:`kvpop.checkpointing`: each worker
 writes its shard of the model and optimizer state — only what trains in scorer-only mode — reported through
 ``ray.train.report``). A restarted worker group gets the latest one from ``ray.train.get_checkpoint()``, restores it
@@ -63,11 +68,13 @@ from kvpop.objective import DMSObjective, Objective, StreamingObjective, student
 from kvpop.online import dense_priorities, online_targets
 from kvpop.parameters import trainable_parameters
 from kvpop.pretrained import load_pretrained
+from kvpop.profiling import StepProfiler
 from kvpop.sharding import checkpoint_layers, shard
 from pipelines.config import config_from_dict
 from pipelines.heldout import METRICS as HELDOUT_METRICS, HeldoutEvaluator
 
 TRAIN_MARKER = "kvpop_train.json"
+PROFILE_ARTIFACT = "step_profile.md"  # train.profile_steps: the profiled steps' report, in the run dir and MLflow
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class TrainSpec:
     eval_config: dict = field(default_factory=dict)  # the run's PipelineConfig as a dict, for that evaluation
     allocation: Allocation | None = None  # per-head budgets (train.allocation, METHOD §7); saved with the final model
     activation_checkpointing: bool = False  # each decoder layer recomputed in the backward (kvpop.sharding)
+    profile_steps: tuple[int, ...] = ()  # (first, count): rank 0 profiles those steps (train.profile_steps)
 
     @property
     def budget(self) -> Budget:
@@ -303,6 +311,23 @@ def _last_logged_value(client, run_id: str, name: str) -> float:
     return max(history, key=lambda m: (m.step, m.timestamp)).value if history else 0.0
 
 
+def _write_profile(profiler: StepProfiler, spec: TrainSpec, client, step: int, world: int) -> None:
+    """Rank 0: the profiled steps' report as ``<run dir>/step_profile.md`` and the run's MLflow artifact."""
+    title = (f"train step profile of {spec.run_name}: steps {profiler.first}-{step}, batch {spec.batch_size} x "
+             f"{spec.seq_len} tokens x {world} worker(s), {'online ' if spec.online else ''}"
+             f"{spec.online_features + ' features, ' if spec.online else ''}{spec.policy} {spec.mode}, "
+             f"{'FSDP2, ' if spec.sharded else ''}{'bf16' if spec.bf16 else 'fp32'}")
+    path = Path(spec.run_dir) / PROFILE_ARTIFACT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profiler.markdown(title))
+    if client is not None and spec.mlflow_run_id:
+        client.log_artifact(spec.mlflow_run_id, str(path))
+    s = profiler.summary()
+    print(f"[kvpop.train] profiled steps {profiler.first}-{step}: {s['kernels']:.0f} kernels, {s['ops']:.0f} aten ops, "
+          f"{s['host_reads']:.0f} host reads per step; host {s['host_s']:.3f} s / wall {s['wall_s']:.3f} s; {path}",
+          flush=True)
+
+
 def _report_checkpoint(model, optimizer, spec: TrainSpec, step: int, metrics: dict) -> None:
     import ray.train
 
@@ -435,6 +460,7 @@ def train_loop(config: dict) -> None:
     heldout = HeldoutRunner(model, spec, rank, client, device)
     if start_step == 0:
         heldout(0)  # the untrained scorers: the learning curve's first point
+    profiler = StepProfiler(device, *spec.profile_steps) if spec.profile_steps and rank == 0 else None
     marker = Path(spec.run_dir) / f".fault-injected-at-{spec.fail_at_step}"
     for step in range(start_step + 1, spec.steps + 1):
         if spec.fail_at_step == step and rank == 0 and not marker.exists():
@@ -444,20 +470,25 @@ def train_loop(config: dict) -> None:
         t_wait = time.perf_counter()
         batch = next(batches)
         t0 = time.perf_counter()
-        with autocast:
-            parts = batch_losses(model, batch, spec, step)
-        optimizer.zero_grad(set_to_none=True)
-        factor = lr_factor(step, spec.warmup_steps, spec.schedule, spec.steps)
-        for group, peak in zip(optimizer.param_groups, peaks, strict=True):
-            group["lr"] = peak * factor
-        if parts["loss"].requires_grad:
-            parts["loss"].backward()
-            if spec.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for p in trainable if p.grad is not None], spec.grad_clip)
-            optimizer.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        with profiler.step(step) if profiler is not None else contextlib.nullcontext():
+            with autocast:
+                parts = batch_losses(model, batch, spec, step)
+            optimizer.zero_grad(set_to_none=True)
+            factor = lr_factor(step, spec.warmup_steps, spec.schedule, spec.steps)
+            for group, peak in zip(optimizer.param_groups, peaks, strict=True):
+                group["lr"] = peak * factor
+            if parts["loss"].requires_grad:
+                parts["loss"].backward()
+                if spec.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_([p for p in trainable if p.grad is not None], spec.grad_clip)
+                optimizer.step()
+            if profiler is not None:
+                profiler.issued()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
+        if profiler is not None and profiler.done and step == profiler.last:
+            _write_profile(profiler, spec, client, step, world)
         values = torch.stack([torch.as_tensor(parts[k]).detach().float().to(device) for k in names])
         if dist.is_available() and dist.is_initialized() and world > 1:
             dist.all_reduce(values)

@@ -105,3 +105,43 @@ def test_topk_kl_reference_and_zero():
     assert torch.allclose(topk_kl(student, vals, idx, mask=mask), (p.exp() * (p - q)).sum(-1)[0, 1], atol=1e-6)
     with pytest.raises(ValueError):
         topk_kl(student, vals, idx[..., :4])
+
+
+@pytest.mark.parametrize("size, sink, window, topks", [
+    (40, 4, 8, (16, 3, 30, 1, 60)),  # the recipe's shape: k past the eligible count (no decision), k = 1
+    (33, 0, 5, (7, 0, 2)),  # no sink; a k = 0 budget makes no decision
+    (12, 2, 12, (3, 5)),  # window >= S: no position decides
+    (9, 9, 1, (2,)),  # sink = S: nothing eligible
+    (1, 0, 1, (1, 4)),
+])
+def test_decisions_at_several_budgets_equal_the_budgets_one_by_one(size, sink, window, topks):
+    """One ranking and one descent over every budget's rows (a k per row) = :func:`boundary_decisions` per budget,
+    exactly, with ties in the teacher; and the loss averaged over them is the per-k loop's, bit for bit."""
+    from kvpop.losses import boundary_decisions_at, retention_loss
+
+    gen = torch.Generator().manual_seed(size + sink)
+    teacher = torch.randint(0, 4, (3, 2, size), generator=gen).float()  # many ties: newer wins them
+    student = torch.randn(3, 2, size, generator=gen, requires_grad=True)
+    budgets = [Budget(sink, window, k) for k in topks]
+    together = boundary_decisions_at(teacher, budgets)
+    for budget, dec in zip(budgets, together, strict=True):
+        alone = boundary_decisions(teacher, budget)
+        for field in ("t_new", "t_bnd", "keep", "valid"):
+            assert torch.equal(getattr(dec, field), getattr(alone, field)), (budget, field)
+
+    main, extra = budgets[0], [b.topk for b in budgets[1:]]
+    batched = retention_loss(student, teacher, main, topks=extra, weight="margin")
+    (grad,) = torch.autograd.grad(batched, student)
+    per_k = torch.stack([boundary_loss(student, teacher, b, weight="margin")
+                         for b in [main] + [Budget(sink, window, k) for k in dict.fromkeys(extra) if k != main.topk]])
+    assert torch.equal(batched, per_k.mean())
+    assert torch.equal(grad, torch.autograd.grad(per_k.mean(), student)[0])
+    assert torch.isfinite(grad).all()
+
+
+def test_a_loss_without_decisions_is_zero_with_a_graph_and_no_host_read():
+    student = torch.randn(2, 10, requires_grad=True)
+    loss = boundary_loss(student, torch.randn(2, 10), Budget(2, 10, 3))  # window >= S: nothing decides
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    assert torch.equal(student.grad, torch.zeros_like(student))

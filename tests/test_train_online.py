@@ -158,6 +158,10 @@ def test_new_train_keys_enter_the_run_identity_only_away_from_their_defaults(tin
     (["train.schedule=linear"], "train.schedule must be constant or cosine"),
     (["train.online_features=dense"], "train.online_features=dense reads the step's own dense pass"),
     (["train.targets_source=online", "train.online_features=sparse"], "train.online_features must be one of"),
+    (["train.profile_steps=[2]"], r"train.profile_steps: profile steps are \[first step, number of steps\]"),
+    (["train.profile_steps=[0, 2]"], "both integers >= 1"),
+    (["train.profile_steps=[2, 0]"], "both integers >= 1"),
+    (["train.steps=4", "train.profile_steps=[3, 5]"], "train.profile_steps: steps 3 … 7 are past train.steps=4"),
     (["train.warmup_steps=-1"], "train.warmup_steps must be >= 0"),
     (["train.activation_checkpointing=3"], "train.activation_checkpointing: expected true/false, got 3"),
     (["train.eval_every=2", "train.eval_sequences=3"], "train.eval_sequences=3 is more than the data stage's 2"),
@@ -526,3 +530,30 @@ def test_an_online_run_reads_the_data_mix_and_starts_from_init_from(tiny_setup, 
     other = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(tiny_setup / "other_teacher")))
     with pytest.raises(ConfigError, match="train.init_from"):
         train.open_inputs(other)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_profiled_steps_of_an_online_run_are_its_step_profile_artifact(tiny_setup, tmp_path, ray_cluster):
+    """``train.profile_steps=[2, 2]`` on the product's step (online targets, dense features, extra budgets): rank 0
+    writes the two steps' profile as ``step_profile.md`` in the run dir and as the run's MLflow artifact, with the
+    per-step figures and the profiler's tables; the setting is operational (the run's name does not change)."""
+    import mlflow
+
+    from pipelines.train_worker import PROFILE_ARTIFACT
+
+    common = ["train.targets_source=online", "train.online_features=dense", "train.extra_topks=[3, 30]",
+              "train.steps=3", "train.batch_size=2", "train.num_workers=1", "train.cpus_per_worker=1",
+              "train.strategy=none", "train.checkpoint_every=3", "train.max_failures=0"]
+    home = tmp_path / "home"
+    cfg = tiny_config(tiny_setup, home, *common, "train.profile_steps=[2, 2]")
+    plain = tiny_config(tiny_setup, home, *common)
+    assert train.run_name_of(cfg, train.open_inputs(cfg)) == train.run_name_of(plain, train.open_inputs(plain))
+    result = train.run(cfg)
+    report = (result.run_dir / PROFILE_ARTIFACT).read_text()
+    assert "2 profiled steps on cpu" in report and "| 2 |" in report and "| 3 |" in report
+    kernels = int(report.split("| kernels launched (CPU: computing operators) | ")[1].split(" |")[0])
+    assert kernels > 100  # a dense pass, the target pass, the scorers, the loss, the backward and AdamW
+    assert report.count("aten::") >= 20 and "by count" in report
+    client = mlflow.MlflowClient(cfg.tracking_uri())
+    assert PROFILE_ARTIFACT in {a.path for a in client.list_artifacts(result.mlflow_run_id)}
