@@ -209,33 +209,38 @@ def retention_budgets(budget: Budget, topks=()) -> list[Budget]:
     return [budget] + [Budget(budget.sink, budget.window, k) for k in extra]
 
 
+def retention_decisions(teacher: torch.Tensor, budget: Budget, topks=(),
+                        head_topk: torch.Tensor | None = None) -> list[BoundaryDecisions]:
+    """The teacher's decisions at each of :func:`retention_budgets` (``budget``'s first): uniform budgets from one
+    ranking and one wavelet descent (:func:`boundary_decisions_at`); per-head budgets (``head_topk``, no extra sizes)
+    at ``budget`` alone."""
+    teacher = teacher.detach()
+    if head_topk is not None:
+        return [boundary_decisions(teacher, budget, head_topk)]
+    return boundary_decisions_at(teacher, retention_budgets(budget, topks))
+
+
 def retention_loss(student: torch.Tensor, teacher: torch.Tensor, budget: Budget, *, tau: float = 1.0,
                    weight: str | None = None, balance: bool = False, topks=(), random_pairs: int = 0,
                    generator: torch.Generator | None = None,
-                   decisions: BoundaryDecisions | list[BoundaryDecisions] | None = None,
+                   decisions: list[BoundaryDecisions] | None = None,
                    head_topk: torch.Tensor | None = None) -> torch.Tensor:
     """The retention objective with its options: :func:`boundary_loss` at ``budget`` and at every extra long-range
     size in ``topks`` (same sink and window: the cache is evaluated at several budgets, and each ``k`` has its own
     cutoff), averaged; plus, with ``random_pairs``, :func:`random_pair_loss` as one more equal part. ``decisions``:
-    the teacher's at ``budget``, where the caller has them already (the other budgets' are derived here, together:
-    :func:`boundary_decisions_at`), or a list of the teacher's at each of :func:`retention_budgets`.
-    ``head_topk``: per-head budgets (per-row long-range slots, :func:`boundary_decisions`) in place of
+    the teacher's at each of :func:`retention_budgets` (:func:`retention_decisions`), where the caller has them
+    already. ``head_topk``: per-head budgets (per-row long-range slots, :func:`boundary_decisions`) in place of
     ``budget.topk``; extra ``topks`` are not defined beside them (one clear error)."""
     if head_topk is not None and any(int(k) != budget.topk for k in topks):
         raise ValueError("extra long-range sizes (topks) are uniform budgets: they are not defined beside per-head "
                          "budgets; train an allocation without them")
     budgets = retention_budgets(budget, topks)
-    if isinstance(decisions, (list, tuple)):
-        if len(decisions) != len(budgets):
-            raise ValueError(f"decisions for {len(decisions)} budgets, but the loss has {len(budgets)}: {budgets}")
-        given = list(decisions)
-    elif head_topk is not None:  # per-head budgets: no extra sizes (checked above)
-        given = [decisions]
-    else:
-        extra = boundary_decisions_at(teacher.detach(), budgets if decisions is None else budgets[1:])
-        given = extra if decisions is None else [decisions, *extra]
+    if decisions is None:
+        decisions = retention_decisions(teacher, budget, topks, head_topk)
+    if len(decisions) != len(budgets):
+        raise ValueError(f"decisions for {len(decisions)} budgets, but the loss has {len(budgets)}: {budgets}")
     parts = [boundary_loss(student, teacher, b, tau=tau, weight=weight, balance=balance, decisions=dec,
-                           topk=head_topk if b == budget else None) for b, dec in zip(budgets, given, strict=True)]
+                           topk=head_topk if b == budget else None) for b, dec in zip(budgets, decisions, strict=True)]
     if random_pairs:
         parts.append(random_pair_loss(student, teacher, budget, pairs=random_pairs, tau=tau, generator=generator))
     return torch.stack(parts).mean()

@@ -27,9 +27,8 @@ from torch import nn
 
 from kvpop.budget import Budget
 from kvpop.dms import CompressionSchedule, dms_loss, retained_stats
-from kvpop.losses import (boundary_agreement, boundary_decisions, boundary_decisions_at, retention_budgets,
-                          retention_loss, topk_kl)
-from kvpop.names import TRAIN_POLICIES  # re-exported (kvpop.names says why it lives there)
+from kvpop.losses import boundary_agreement, retention_decisions, retention_loss, topk_kl
+from kvpop.names import METRICS, TRAIN_POLICIES  # re-exported (kvpop.names says why they live there)
 from kvpop.retention import with_recency
 from kvpop.retrofit import collect_priorities, runtime_of, soft_retention
 
@@ -120,10 +119,7 @@ class Objective:
         """The ranking terms alone (no logits): ``ret_loss`` (with the gradient) and ``boundary_acc``."""
         teacher = with_recency(teacher_targets.float(), self.recency)
         topk = self.row_topk(teacher)
-        if topk is None:  # every budget's decisions from one ranking and one descent
-            decisions = boundary_decisions_at(teacher, retention_budgets(self.budget, self.extra_topks))
-        else:
-            decisions = [boundary_decisions(teacher, self.budget, topk)]
+        decisions = retention_decisions(teacher, self.budget, self.extra_topks, topk)
         ret = retention_loss(student, teacher, self.budget, tau=self.tau, weight=self.weight, topks=self.extra_topks,
                              decisions=decisions, head_topk=topk)
         with torch.no_grad():
@@ -222,10 +218,3 @@ class StreamingObjective:
                  topk_indices: torch.Tensor) -> dict[str, torch.Tensor]:
         kl = topk_kl(logits, topk_values.float(), topk_indices.long(), mask=evicting(logits, self.budget))
         return {"loss": kl, "kl": kl}
-
-
-METRICS = {"kvpop": ("loss", "ret_loss", "kl", "boundary_acc"),
-           "dms": ("loss", "kl", "keep_loss", "keep_rate", "target_keep_rate", "retained_fraction"),
-           "streaming": ("loss", "kl")}  # per train.policy: what its objective reports (logged every step)
-if tuple(METRICS) != TRAIN_POLICIES:  # kvpop.names holds the policies for the config, which must not import this
-    raise ImportError(f"kvpop.names.TRAIN_POLICIES {TRAIN_POLICIES} is not kvpop.objective.METRICS' {tuple(METRICS)}")

@@ -279,9 +279,9 @@ class TrainConfig:
             window = check_profile_steps(self.profile_steps)
         except ValueError as err:
             raise ConfigError(f"train.profile_steps: {err} ([] = off)") from None
-        _require([(window is None or sum(window) - 1 <= self.steps,
-                   f"train.profile_steps: steps {window and window[0]} … {window and sum(window) - 1} are past "
-                   f"train.steps={self.steps}")])
+        if window is not None and sum(window) - 1 > self.steps:
+            raise ConfigError(f"train.profile_steps: steps {window[0]} … {sum(window) - 1} are past "
+                              f"train.steps={self.steps}")
         if self.policy == "dms":
             self.dms_schedule()
 
