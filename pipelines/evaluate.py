@@ -152,6 +152,16 @@ def _digest(rows) -> str:
     return fingerprint([list(map(int, r)) for r in rows], length=32)
 
 
+def _without_paths(identity: dict) -> dict:
+    """``identity`` less its folders' paths (recorded in ``config.json`` for information): a folder is keyed by its
+    files' digest, so an evaluation keeps its key, and its finished parts, in a moved or imported ``KVPOP_HOME``."""
+    keyed = {**identity, "model": {k: v for k, v in identity["model"].items() if k != "path"}}
+    if "baselines" in identity:
+        keyed["baselines"] = {name: {k: v for k, v in b.items() if k != "path"}
+                              for name, b in identity["baselines"].items()}
+    return keyed
+
+
 def plan(cfg: PipelineConfig) -> dict:
     """Everything the evaluation depends on, resolved without loading the model, and the directory key."""
     check_heldout_sources(cfg)
@@ -203,7 +213,7 @@ def plan(cfg: PipelineConfig) -> dict:
         for name, folder in cfg.eval.baselines.items():
             where = eval_parts.baseline_path(name, folder)
             identity["baselines"][name] = {"path": str(where), "files_sha256": folder_digest(where, cfg.home_dir())}
-    key = fingerprint("kvpop.eval", FORMAT_VERSION, identity, length=16)
+    key = fingerprint("kvpop.eval", FORMAT_VERSION, _without_paths(identity), length=16)
     return {"key": key, "identity": identity, "path": path, "tokenizer": tokenizer, "sequences": sequences,
             "base": base, "budgets": budgets, "samples": samples, "problems": problems, "prompts": prompts,
             "seq_len": seq_len, "corpora": corpora}

@@ -1,6 +1,7 @@
 """pipelines.evaluate on a tiny random Llama (SmolLM2's tokenizer, so that task and problem prompts tokenize for real):
 budgets, the output directory and its reuse, and the MLflow run (one per input hash)."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -201,12 +202,13 @@ def test_eval_recency_changes_the_kvpop_rows_only(setup):
 
 
 @pytest.mark.pretrained
-def test_a_run_cut_off_keeps_the_parts_it_finished(setup, monkeypatch):
-    """Killed during recall, an evaluation keeps its held-out text part (``<key>.parts``); the re-run takes it
-    instead of teacher-forcing again, finishes, and removes the parts folder."""
+def test_a_run_cut_off_keeps_the_parts_it_finished(setup, monkeypatch, tmp_path):
+    """Killed during recall, an evaluation keeps its held-out text part (``<key>.parts``); the re-run — here after
+    the home and the checkpoint moved, as onto another machine — takes it instead of teacher-forcing again,
+    finishes, and removes the parts folder."""
     from kvpop import evaluation as runner
 
-    cfg, _ = setup
+    cfg, checkpoint = setup
     cfg = config_from_dict({**cfg.to_dict(), "eval": {**cfg.to_dict()["eval"], "generation_prompts": 0}})
     real_generation, real_forcing = runner.generation_items, runner.teacher_forced_items
 
@@ -237,6 +239,15 @@ def test_a_run_cut_off_keeps_the_parts_it_finished(setup, monkeypatch):
     def no_forcing(*args, **kwargs):
         raise AssertionError("the finished text part ran again")
 
+    key = E.plan(cfg)["key"]
+    shutil.move(cfg.home_dir(), tmp_path / "moved_home")
+    shutil.move(checkpoint, tmp_path / "moved_checkpoint")
+    tree = cfg.to_dict()
+    cfg = config_from_dict({**tree, "home": str(tmp_path / "moved_home"),
+                            "model": {**tree["model"], "path": str(tmp_path / "moved_checkpoint")},
+                            "eval": {**tree["eval"], "checkpoint": str(tmp_path / "moved_checkpoint")}})
+    assert E.plan(cfg)["key"] == key  # the folders are keyed by their files, not their paths
+    out = cfg.home_dir() / "eval" / key
     monkeypatch.setattr(runner, "generation_items", real_generation)
     monkeypatch.setattr(runner, "teacher_forced_items", no_forcing)
     result = E.run(cfg, progress=False)
