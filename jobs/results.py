@@ -1,4 +1,4 @@
-"""``python -m jobs.results <render|import|export|ingest>``: the results ledger (``results/ledger.jsonl``), RESULTS.md
+"""``python -m jobs.results <render|import|export|scorer|ingest>``: the results ledger (``results/ledger.jsonl``), RESULTS.md
 and MLflow.
 
 * ``render [--check]`` — RESULTS.md from the ledger (byte-identical on a re-render) and README.md's block between
@@ -9,6 +9,9 @@ and MLflow.
   re-import adds nothing.
 * ``export [--config …] [--set …] [--dry-run]`` — the store's finished runs of the stages (evaluate, train, the
   benchmarks) that the ledger lacks become new ledger lines. This is how the evaluation stage's runs reach the ledger.
+* ``scorer FOLDER --name NAME --commit SHA`` — a train stage's ``final_model`` packed (byte-reproducibly) into the
+  tracked artifact ``results/artifacts/<NAME>_scorer.tgz`` and appended as the training line ``train/<NAME>`` that
+  names it: the scorer a RESULTS.md row measured, loadable with ``pipelines.ledger.artifact``.
 * ``ingest --at COMMIT PATH …`` — result files of the ``benchmarks/results/`` era, read from git at COMMIT (never
   the working tree), converted and appended (the one-time migration; the converters are ``pipelines/ledger.py``'s).
 
@@ -40,6 +43,11 @@ def _parser():
         q.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
         if name == "export":
             q.add_argument("--dry-run", action="store_true", help="print the runs, append nothing")
+    scorer = sub.add_parser("scorer", help="a trained final_model → a tracked artifact and its ledger line")
+    scorer.add_argument("folder", type=Path, help="the train stage's final_model folder")
+    scorer.add_argument("--name", required=True, help="the config's name: the line is train/<name>, the file "
+                                                     "results/artifacts/<name>_scorer.tgz")
+    scorer.add_argument("--commit", required=True, help="the commit that trained it")
     ingest = sub.add_parser("ingest", help="legacy result files from git → ledger lines")
     ingest.add_argument("--at", required=True, metavar="COMMIT", help="the commit to read the files from")
     ingest.add_argument("paths", nargs="+", metavar="PATH")
@@ -95,6 +103,15 @@ def _export(args) -> int:
     return 0
 
 
+def _scorer(args) -> int:
+    # the artifact lies beside its ledger (results/artifacts/ of the repository whose results/ holds the ledger)
+    run = L.scorer_folder_run(args.folder, args.name, args.commit, root=args.ledger.resolve().parent.parent)
+    L.append([run], args.ledger)
+    artifact = run.artifacts[0]
+    print(f"{run.run_id} {run.name}: {artifact.path} ({artifact.size:,} bytes, sha256 {artifact.sha256[:16]}…)")
+    return 0
+
+
 def _ingest(args) -> int:
     runs = L.append(L.ingest_legacy(args.paths, args.at), args.ledger)
     for run in runs:
@@ -105,7 +122,8 @@ def _ingest(args) -> int:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"render": _render, "import": _import, "export": _export, "ingest": _ingest}[args.command](args)
+        return {"render": _render, "import": _import, "export": _export, "scorer": _scorer,
+                "ingest": _ingest}[args.command](args)
     except (ConfigError, ValueError, OSError) as err:
         return _cli.fail("results", err)
     except KeyboardInterrupt:

@@ -5,7 +5,8 @@ wiped after each session, so what a run measured travels back and persists as on
 ``results/ledger.jsonl`` (no per-item records, no figures). ``python -m jobs.results`` renders ``RESULTS.md`` from it,
 imports it into an MLflow store and exports an MLflow store's new runs into it. The product benchmarks append their
 line themselves (:func:`publish_file`); the evaluation stage logs to MLflow only, and ``export`` brings its runs in
-(:func:`export_runs`). Nothing else writes the file.
+(:func:`export_runs`); ``scorer`` adds a trained model as a tracked artifact with its line (:func:`scorer_folder_run`).
+Nothing else writes the file.
 
 **Layout.** ``results/ledger.jsonl`` (one :class:`Run` a line, in the order appended), ``results/artifacts/<name>``
 (the few tracked files ``RESULTS.md`` cites, each with its sha256 in a run's ``artifacts``), ``RESULTS.md`` (rendered).
@@ -38,6 +39,7 @@ the line number, a line that is not JSON, a missing or unknown key, a bad kind, 
 from __future__ import annotations
 
 import datetime
+import gzip
 import hashlib
 import io
 import json
@@ -721,10 +723,36 @@ def legacy_runs(path: str, result: dict, commit: str, *, extra: dict | None = No
     raise LedgerError(f"{path}: no converter for results of '{producer}'")
 
 
-def scorer_tarball_run(path: str, data: bytes, commit: str, root: Path = ROOT) -> Run:
-    """A legacy scorer tarball (``checkpoints/pipeline_<device>_<preset>_scorer.tgz``: the train stage's
-    ``final_model``) copied to ``results/artifacts/`` and recorded as the training run that produced it (its
-    ``kvpop_train.json``: steps, mode, run name; ``kvpop.json``: budget, scorer, the base weights' sha256)."""
+def pack_folder(folder: Path, arcname: str) -> bytes:
+    """``folder``'s files as a gzipped tarball under ``arcname``, byte for byte the same for the same files (sorted
+    names, no times, owners or modes)."""
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0) as stream, tarfile.open(fileobj=stream, mode="w") as tar:
+        for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+            info = tarfile.TarInfo(f"{arcname}/{path.relative_to(folder).as_posix()}")
+            info.size, info.mode = path.stat().st_size, 0o644
+            with path.open("rb") as f:
+                tar.addfile(info, f)
+    return buffer.getvalue()
+
+
+def scorer_folder_run(folder: Path, name: str, commit: str, root: Path = ROOT) -> Run:
+    """A train stage's ``final_model`` folder packed into ``results/artifacts/<name>_scorer.tgz`` (:func:`pack_folder`)
+    and recorded as the training run ``train/<name>`` that produced it, at ``commit`` (:func:`scorer_tarball_run`).
+    Refuses a folder without the stage's ``kvpop.json`` and ``kvpop_train.json``."""
+    folder = Path(folder)
+    missing = [f for f in ("kvpop.json", "kvpop_train.json") if not (folder / f).is_file()]
+    if missing:
+        raise LedgerError(f"{folder}: not a train stage's final_model (no {', '.join(missing)})")
+    return scorer_tarball_run(f"results/artifacts/{name}_scorer.tgz", pack_folder(folder, "final_model"), commit,
+                              root, source="/".join(folder.resolve().parts[-3:]))  # runs/<run>/final_model
+
+
+def scorer_tarball_run(path: str, data: bytes, commit: str, root: Path = ROOT, source: str | None = None) -> Run:
+    """A scorer tarball (the train stage's ``final_model``; a legacy one: ``checkpoints/pipeline_<device>_<preset>_
+    scorer.tgz``) copied to ``results/artifacts/`` and recorded as the training run that produced it (its
+    ``kvpop_train.json``: steps, mode, run name; ``kvpop.json``: budget, scorer, the base weights' sha256);
+    ``source`` (default ``path``): where it came from."""
     with tarfile.open(fileobj=io.BytesIO(data)) as archive:
         def member(name):
             found = [m for m in archive.getmembers() if m.name.endswith(name)]
@@ -741,7 +769,7 @@ def scorer_tarball_run(path: str, data: bytes, commit: str, root: Path = ROOT) -
               "run_name": train.get("run_name"), "scorer": (model.get("scorer") or {}).get("name"),
               "scorer_features": (model.get("scorer") or {}).get("features"),
               "budget": f"s{budget.get('sink')}-w{budget.get('window')}-k{budget.get('topk')}" if budget else None}
-    tags = {"commit": commit, "produced_by": "pipelines/train.py", "source": path}
+    tags = {"commit": commit, "produced_by": "pipelines/train.py", "source": source or path}
     if (model.get("base") or {}).get("weights_sha256"):
         tags["weights_digest"] = model["base"]["weights_sha256"]
     name = f"train/{preset}"
@@ -874,8 +902,8 @@ def headline_table(runs: list[Run]) -> str:
 
 
 def render(runs: list[Run], artifacts_root: Path = ROOT) -> str:
-    """RESULTS.md from the ledger: a pure function of the runs (sorted by name, then id), so a re-render of the
-    same ledger is byte-identical."""
+    """RESULTS.md from the ledger: a function of the runs (sorted by name, then id) and of which of their artifacts
+    are in the tree under ``artifacts_root``, so a re-render of the same ledger and tree is byte-identical."""
     runs = sorted(runs, key=lambda r: (_natural(r.name), r.run_id))
     board = [r for r in runs if r.producer != "baselines" and any(parse_cell(k) for k in r.metrics)]
     baselines = [r for r in runs if r.producer == "baselines"]
@@ -915,9 +943,10 @@ def render(runs: list[Run], artifacts_root: Path = ROOT) -> str:
         if table:
             out += [f"Training cost, {_describe(run)}:", ""] + table + [""]
     out += ["## Artifacts", "", "Load one with `pipelines.ledger.artifact(name)` (checks the sha256, unpacks to a "
-            "cache folder).", ""]
+            "cache folder). One that has left the tree is in git history (`git log -- <path>`).", ""]
     arts = [(a, r) for r in runs for a in r.artifacts]
-    rows = [[f"`{a.name}`", f"`{a.sha256}`", fmt(a.size), f"`{r.name}` (`{_short(r.run_id)}`)", f"`{r.commit[:10]}`"]
+    rows = [[f"`{a.name}`" + ("" if (artifacts_root / a.path).is_file() else " (git history only)"), f"`{a.sha256}`",
+             fmt(a.size), f"`{r.name}` (`{_short(r.run_id)}`)", f"`{r.commit[:10]}`"]
             for a, r in sorted(arts, key=lambda x: x[0].name)]
     out += (_table(["name", "sha256", "bytes", "produced by", "commit"], rows) if rows else ["(none)"]) + [""]
     return "\n".join(out)

@@ -522,13 +522,51 @@ def test_artifact_is_checked_and_unpacked(tmp_path):
         L.artifact("other.tgz", ledger, tmp_path / "cache", root)
 
 
+def test_a_trained_folder_becomes_a_reproducible_artifact_and_its_training_line(tmp_path):
+    """``jobs.results scorer``: the final_model packed the same bytes on every run (names sorted, no times or owners),
+    its line ``train/<name>`` naming it, ``artifact`` unpacking it; a folder that is not a final_model is one line and
+    exit 2; an artifact that left the tree is rendered as in git history."""
+    root = tmp_path / "repo"
+    final = tmp_path / "runs" / "r" / "final_model"
+    final.mkdir(parents=True)
+    (final / "kvpop.json").write_text(json.dumps({"budget": {"sink": 4, "window": 256, "topk": 252},
+                                                  "scorer": {"name": "mlstm"}, "base": {"weights_sha256": "ab" * 32}}))
+    (final / "kvpop_train.json").write_text(json.dumps({"steps": 184, "mode": "scorer_only", "policy": "kvpop",
+                                                        "run_name": "r"}))
+    (final / "kvpop_scorers.safetensors").write_bytes(bytes(range(256)) * 4)
+    first = L.pack_folder(final, "final_model")
+    (final / "kvpop_scorers.safetensors").touch()  # another mtime: the same bytes
+    assert L.pack_folder(final, "final_model") == first
+
+    run = L.scorer_folder_run(final, "smollm2-kvpop-kernel", "abcdef1", root)
+    assert (run.name, run.kind, run.commit) == ("train/smollm2-kvpop-kernel", "training", "abcdef1")
+    assert (run.params["steps"], run.params["budget"], run.tags["weights_digest"]) == (184, "s4-w256-k252", "ab" * 32)
+    [entry] = run.artifacts
+    assert entry.path == "results/artifacts/smollm2-kvpop-kernel_scorer.tgz" and (root / entry.path).read_bytes() == first
+    ledger = root / "results" / "ledger.jsonl"
+    L.append([run], ledger)
+    unpacked = L.artifact(entry.name, ledger, tmp_path / "cache", root)
+    assert (unpacked / "final_model" / "kvpop_scorers.safetensors").read_bytes() == bytes(range(256)) * 4
+
+    other = root / "results" / "other.jsonl"
+    assert cli.main(["--ledger", str(other), "scorer", str(final), "--name", "again", "--commit", "abcdef1"]) == 0
+    assert [r.name for r in L.read(other)] == ["train/again"] and (root / "results/artifacts/again_scorer.tgz").is_file()
+    (final / "kvpop.json").unlink()
+    assert cli.main(["--ledger", str(other), "scorer", str(final), "--name", "x", "--commit", "abcdef1"]) == 2
+    assert len(L.read(other)) == 1
+
+    assert "| `smollm2-kvpop-kernel_scorer.tgz` |" in L.render([run], root)
+    (root / entry.path).unlink()
+    assert "| `smollm2-kvpop-kernel_scorer.tgz` (git history only) |" in L.render([run], root)
+
+
 def test_committed_results_md_is_what_the_committed_ledger_renders():
     """RESULTS.md (and README.md's headline block) are rendered copies: after a ledger change run
     ``python -m jobs.results render``."""
     assert cli.main(["render", "--check"]) == 0
     runs = L.read(L.LEDGER)
     assert all(a.path.startswith("results/artifacts/") for r in runs for a in r.artifacts)
-    assert sum(a.size for r in runs for a in r.artifacts) < 15 * 2**20
+    assert sum(a.size for r in runs for a in r.artifacts if (L.ROOT / a.path).is_file()) < 15 * 2**20
 
 
 def test_publish_without_mlflow_writes_the_ledger_line_alone(tmp_path, monkeypatch):
