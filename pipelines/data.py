@@ -58,7 +58,6 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import champ_dataset
-import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 from transformers import AutoConfig, AutoTokenizer
@@ -135,6 +134,8 @@ def stdlib_documents() -> list[tuple[str, str]]:
 
 
 def _load_local(path: Path, cfg: PipelineConfig):
+    import datasets  # ~0.25-0.7 s per process: only reading a source needs it, not every process importing this module
+
     cache_dir = str(cfg.home_dir() / "cache" / "hf-datasets")
     if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()
                           or (path / "state.json").is_file()):
@@ -194,6 +195,8 @@ def _remove_new(root: Path, before: set[Path] | None) -> None:
 
 
 def _load_hub(cfg: PipelineConfig):
+    import datasets  # see _load_local
+
     try:
         return datasets.load_dataset(cfg.data.source, split=cfg.data.split,
                                      cache_dir=str(cfg.home_dir() / "cache" / "hf-datasets"))

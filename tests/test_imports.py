@@ -10,7 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("kvpop", "pipelines")
-LOCAL_IMPORTS_ALLOWED = ("ray", "mlflow", "matplotlib")  # optional heavy dependencies, imported where used
+# optional heavy dependencies, imported where used (datasets: only a stage that reads a text source needs it)
+LOCAL_IMPORTS_ALLOWED = ("ray", "mlflow", "matplotlib", "datasets")
 
 
 def _modules() -> dict[str, Path]:
@@ -205,3 +206,13 @@ def test_the_config_does_not_import_the_retrofit():
             todo.extend(_package_imports_at_import("kvpop"))
     assert "kvpop.names" in seen and "kvpop.dms_cache" in seen  # the reader follows the package's eager imports
     assert "kvpop.retrofit" not in seen, sorted(seen)
+
+
+def test_datasets_is_imported_only_where_a_text_source_is_read():
+    """Every Ray worker (train workers, teacher actors, trials) and CLI process imports pipelines.data, but only
+    reading a text source needs ``datasets`` (with pandas, ~0.25-0.7 s of a core per process): the functions that
+    read one import it."""
+    eager = [(module, line) for module in MODULES for imported, _, line, is_local in _imports(module)
+             if imported.split(".")[0] == "datasets" and not is_local]
+    assert not eager, f"module-level imports of datasets: {eager}"
+    assert any(imported == "datasets" and is_local for imported, _, _, is_local in _imports("pipelines.data"))
