@@ -57,3 +57,23 @@ def test_a_failed_recipe_still_exports_its_state_and_fails_the_part(tmp_path):
     commands, end = _recipe_part(tmp_path, "", pipeline_rc=3)
     assert [c.split()[1] for c in commands] == ["jobs.pipeline", "jobs.state"]
     assert end.split()[2] == "rc=1"
+
+
+def test_the_profile_part_runs_the_recipes_first_phase_and_brings_its_step_profile_back(tmp_path):
+    """Part ``profile``: a fresh run name each time (``PROFILE_RUN``), the recipe's first phase with
+    ``train.profile_steps`` through ``python -`` (a stand-in here that writes the report where the train stage
+    would), ``step_profile.md`` copied into the results folder."""
+    bin_dir, out, home = tmp_path / "bin", tmp_path / "r", tmp_path / "home"
+    bin_dir.mkdir()
+    stub = bin_dir / "python"
+    stub.write_text('#!/bin/bash\ncat > "$KVPOP_HOME/script.py"\nmkdir -p "$KVPOP_HOME/runs/$PROFILE_RUN"\n'
+                    'echo "profile of $PROFILE_RUN" > "$KVPOP_HOME/runs/$PROFILE_RUN/step_profile.md"\n')
+    stub.chmod(0o755)
+    home.mkdir()
+    subprocess.run(["bash", str(TOOLS / "session.sh"), str(out), "profile"], check=True, cwd=TOOLS.parents[1],
+                   env={"PATH": f"{bin_dir}:/usr/bin:/bin", "KVPOP_HOME": str(home)})
+    end = next(line for line in (out / "progress.log").read_text().splitlines() if line.startswith("end profile"))
+    assert end.split()[2] == "rc=0"
+    assert (out / "step_profile.md").read_text().startswith("profile of profile-")
+    script = (home / "script.py").read_text()
+    assert "recipe.load_recipe(config" in script and "train.profile_steps=" in script and "r.phases[0]" in script

