@@ -4,7 +4,8 @@
 the budgets), runs them through :mod:`kvpop.evaluation`, bootstraps the per-item records (:mod:`pipelines.report`,
 :mod:`pipelines.stats`), and writes one self-describing directory per hash of its inputs:
 
-    $KVPOP_HOME/eval/<key>/config.json       what was evaluated: model identity, data digests, policies, budgets, specs
+    $KVPOP_HOME/eval/<key>/config.json       what was evaluated: model identity, data digests, policies, budgets, specs;
+                                             the folders' paths (``paths``: information, not keyed)
                           predictions.jsonl  one line per (part, policy, budget, item): its metrics and generated text
                           metrics.json       means, 95 % intervals, paired differences, gap closed, recall cells
                           report.txt         the printed report; figures *.png
@@ -152,16 +153,6 @@ def _digest(rows) -> str:
     return fingerprint([list(map(int, r)) for r in rows], length=32)
 
 
-def _without_paths(identity: dict) -> dict:
-    """``identity`` less its folders' paths (recorded in ``config.json`` for information): a folder is keyed by its
-    files' digest, so an evaluation keeps its key, and its finished parts, in a moved or imported ``KVPOP_HOME``."""
-    keyed = {**identity, "model": {k: v for k, v in identity["model"].items() if k != "path"}}
-    if "baselines" in identity:
-        keyed["baselines"] = {name: {k: v for k, v in b.items() if k != "path"}
-                              for name, b in identity["baselines"].items()}
-    return keyed
-
-
 def plan(cfg: PipelineConfig) -> dict:
     """Everything the evaluation depends on, resolved without loading the model, and the directory key."""
     check_heldout_sources(cfg)
@@ -185,7 +176,10 @@ def plan(cfg: PipelineConfig) -> dict:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     prompts = [long_prompts.prompt_ids(p, tokenizer) for p in problems]
-    identity = {"model": {"path": str(path), "files_sha256": folder_digest(path, cfg.home_dir()),
+    # a folder is keyed by its files, not its path: a moved or imported KVPOP_HOME keeps the key (and the parts an
+    # unfinished evaluation finished); the paths go beside the identity into config.json
+    paths = {"model": str(path)}
+    identity = {"model": {"files_sha256": folder_digest(path, cfg.home_dir()),
                           "dtype": cfg.model.dtype, "reference": cfg.train.mode == "distill"},
                 "heldout": {"count": len(sequences), "seq_len": seq_len,
                             "sha256": _digest(s["input_ids"] for s in sequences)},
@@ -212,9 +206,10 @@ def plan(cfg: PipelineConfig) -> dict:
         identity["baselines"] = {}
         for name, folder in cfg.eval.baselines.items():
             where = eval_parts.baseline_path(name, folder)
-            identity["baselines"][name] = {"path": str(where), "files_sha256": folder_digest(where, cfg.home_dir())}
-    key = fingerprint("kvpop.eval", FORMAT_VERSION, _without_paths(identity), length=16)
-    return {"key": key, "identity": identity, "path": path, "tokenizer": tokenizer, "sequences": sequences,
+            identity["baselines"][name] = {"files_sha256": folder_digest(where, cfg.home_dir())}
+            paths.setdefault("baselines", {})[name] = str(where)
+    key = fingerprint("kvpop.eval", FORMAT_VERSION, identity, length=16)
+    return {"key": key, "identity": identity, "paths": paths, "path": path, "tokenizer": tokenizer, "sequences": sequences,
             "base": base, "budgets": budgets, "samples": samples, "problems": problems, "prompts": prompts,
             "seq_len": seq_len, "corpora": corpora}
 
@@ -286,7 +281,8 @@ def run(cfg: PipelineConfig, *, progress: bool = True) -> EvalResult:
         + "\n" + report.format_memory(summary["memory"])
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "config.json", json.dumps({**p["identity"], "config": cfg.to_dict()}, indent=1))
+    atomic_write_text(out / "config.json", json.dumps({**p["identity"], "paths": p["paths"], "config": cfg.to_dict()},
+                                                      indent=1))
     atomic_write_text(out / "predictions.jsonl", "".join(json.dumps(r) + "\n" for r in items))
     atomic_write_text(out / "metrics.json", json.dumps({
         "budgets": budgets, "unreachable": unreachable, "summary": summary, "generation_evicting": p["evicting"],
